@@ -1,0 +1,129 @@
+"""Concept attribution as pure functions over raw concept records.
+
+For a committed token y with top-k concepts from the forward pass that committed it:
+    C(c_i, y) = sigmoid(logit_i) * (E_i . W_lm[y])
+for every top-k concept of both heads; the residual is target_logit(y) - sum_i C(c_i, y),
+so each token's terms sum exactly to its logit. A chunk (span between `<|endofchunk|>`
+tokens) scores concept i as the mean over its tokens of C_i,t / (sum_j |C_j,t| + |eps_t|).
+Discovered concepts get user-facing ids offset by the number of known concepts.
+This is the public package's `AttributionAccumulator.commit` and `chunk_attribution`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RawRecords:
+    """Raw concept records of committed tokens, as the engine emits them (n tokens)."""
+
+    positions: Tensor      # (n,) absolute positions
+    tokens: Tensor         # (n,) committed ids
+    target_logits: Tensor  # (n,) raw model logit of the committed id
+    known_idx: Tensor      # (n, k_known)
+    known_logits: Tensor   # (n, k_known)
+    disc_idx: Tensor       # (n, k_disc)
+    disc_logits: Tensor    # (n, k_disc)
+
+    @staticmethod
+    def cat(parts: Sequence[RawRecords]) -> RawRecords:
+        return RawRecords(*(torch.cat([getattr(p, f) for p in parts]) for f in RawRecords.__dataclass_fields__))
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class TokenAttribution:
+    """Per-token contributions; known_contrib.sum(-1) + disc_contrib.sum(-1) + residual == target."""
+
+    known_idx: Tensor
+    known_weight: Tensor
+    known_contrib: Tensor
+    disc_idx: Tensor
+    disc_weight: Tensor
+    disc_contrib: Tensor
+    residual: Tensor
+    target_logits: Tensor
+
+
+# Embedding lookups: ids (n, k) -> (n, k, D). The attribution service backs these with
+# memory-mapped checkpoint tensors; in-process callers pass the model's heads.
+EmbedFn = Callable[[Tensor], Tensor]
+LmRowsFn = Callable[[Tensor], Tensor]
+
+
+def token_attribution(records: RawRecords, known_embed: EmbedFn, disc_embed: EmbedFn,
+                      lm_rows: LmRowsFn) -> TokenAttribution:
+    """Contributions of every top-k concept to each committed token's logit (fp32)."""
+    w_y = lm_rows(records.tokens).float()                                   # (n, D)
+    k_w = torch.sigmoid(records.known_logits.float())
+    k_contrib = k_w * torch.einsum("nkd,nd->nk", known_embed(records.known_idx).float(), w_y)
+    d_w = torch.sigmoid(records.disc_logits.float())
+    d_contrib = d_w * torch.einsum("nkd,nd->nk", disc_embed(records.disc_idx).float(), w_y)
+    target = records.target_logits.float()
+    residual = target - k_contrib.sum(-1) - d_contrib.sum(-1)
+    return TokenAttribution(records.known_idx, k_w, k_contrib, records.disc_idx, d_w, d_contrib, residual, target)
+
+
+def model_lookups(model) -> tuple[EmbedFn, EmbedFn, LmRowsFn]:
+    """Lookups backed by an in-memory SteerlingModel."""
+    lm = model.transformer.lm_head.weight
+    return model.known_head.embeddings, model.unknown_head.embeddings, lambda ids: lm[ids]
+
+
+def chunk_spans(tokens: Sequence[int], endofchunk_id: int, stop_ids: Sequence[int] = (),
+                include_final: bool = True) -> list[tuple[int, int]]:
+    """Half-open spans between end-of-chunk tokens (excluded), ending at the first stop token."""
+    stops = set(stop_ids)
+    end = len(tokens)
+    hit_stop = False
+    for i, t in enumerate(tokens):
+        if t in stops:
+            end, hit_stop = i, True
+            break
+    spans, prev = [], 0
+    for i in range(end):
+        if tokens[i] == endofchunk_id:
+            spans.append((prev, i))
+            prev = i + 1
+    if prev < end and (hit_stop or include_final):
+        spans.append((prev, end))
+    return spans
+
+
+@dataclass(frozen=True)
+class ConceptScore:
+    concept_id: int        # user-facing: discovered ids offset by n_known
+    head: str              # "known" | "discovered"
+    score: float
+
+
+def chunk_scores(attr: TokenAttribution, rows: Sequence[int], span_len: int, n_known: int,
+                 top: int | None = None) -> tuple[list[ConceptScore], float]:
+    """Score concepts over a chunk: rows are the committed tokens of the chunk (indices into attr),
+    span_len its length in positions (uncommitted positions count as zero, as in the reference).
+
+    Returns scores sorted by |score| (optionally the first `top`) and the residual's share in %.
+    """
+    if span_len <= 0:
+        return [], 0.0
+    idx = torch.as_tensor(list(rows), dtype=torch.long)
+    k_c, u_c, eps = attr.known_contrib[idx], attr.disc_contrib[idx], attr.residual[idx]
+    total = (k_c.abs().sum(-1) + u_c.abs().sum(-1) + eps.abs()).clamp(min=1e-8)
+    out: list[ConceptScore] = []
+    for head, ids, contrib, offset in (("known", attr.known_idx[idx], k_c, 0),
+                                       ("discovered", attr.disc_idx[idx], u_c, n_known)):
+        flat = ids.reshape(-1)
+        uniq, inverse = flat.unique(return_inverse=True)
+        mass = torch.zeros(len(uniq), dtype=torch.float32)
+        mass.scatter_add_(0, inverse, (contrib / total[:, None]).reshape(-1).float())
+        out += [ConceptScore(int(c) + offset, head, float(m) / span_len) for c, m in zip(uniq.tolist(), mass.tolist())]
+    out.sort(key=lambda s: abs(s.score), reverse=True)
+    eps_pct = float((eps / total).mean()) * 100 if len(idx) else 0.0
+    return (out[:top] if top is not None else out), eps_pct

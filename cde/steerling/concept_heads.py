@@ -1,0 +1,118 @@
+"""The concept bottleneck: a dense known head and a factorized discovered head.
+
+Both heads read the final hidden state h (after ln_f). Each scores its concepts, keeps the
+top-k, and mixes the chosen concept embeddings weighted by sigmoid(logit). Memory bound:
+scores are computed `concept_chunk` concepts at a time and `TOKEN_CHUNK` tokens at a time,
+so a pass allocates at most TOKEN_CHUNK x concept_chunk fp32 scores (8 MiB at the 8B
+defaults) plus O(tokens x k) for the running top-k; the (tokens x 101,200) logit matrix is
+never formed. Embeddings of the selected concepts are mixed with `embedding_bag`, which
+does not materialize (tokens x k x D) either.
+
+Parameter names and ranking rules follow the public `steerling` package exactly: the known
+head ranks by sigmoid of the clamped logit, the discovered head by the clamped logit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+LOGIT_CLAMP = 15.0
+TOKEN_CHUNK = 512
+
+
+def streaming_topk(
+    h: Tensor, weight: Tensor, k: int, chunk: int, rank_by_sigmoid: bool
+) -> tuple[Tensor, Tensor]:
+    """Top-k concepts of `h @ weight.T` (clamped, fp32) without the full score matrix.
+
+    h: (N, d); weight: (C, d) over valid concepts only. Returns (indices, logits), (N, k'),
+    with k' = min(k, C), ordered by descending rank value.
+    """
+    n, c = h.shape[0], weight.shape[0]
+    k = min(k, c)
+    top_key = top_idx = top_logit = None
+    for start in range(0, c, chunk):
+        end = min(start + chunk, c)
+        logits = (h @ weight[start:end].t().to(h.dtype)).float().clamp_(-LOGIT_CLAMP, LOGIT_CLAMP)
+        key = torch.sigmoid(logits) if rank_by_sigmoid else logits
+        kk = min(k, end - start)
+        v, i = torch.topk(key, kk, dim=1)
+        lg = logits.gather(1, i)
+        i = i + start
+        if top_key is None:
+            top_key, top_idx, top_logit = v, i, lg
+        else:
+            cand_v = torch.cat([top_key, v], dim=1)
+            sel_v, sel = torch.topk(cand_v, min(k, cand_v.shape[1]), dim=1)
+            top_idx = torch.cat([top_idx, i], dim=1).gather(1, sel)
+            top_logit = torch.cat([top_logit, lg], dim=1).gather(1, sel)
+            top_key = sel_v
+    assert top_idx is not None and top_logit is not None and n == top_idx.shape[0]
+    return top_idx, top_logit
+
+
+def _by_token_chunks(fn, h: Tensor, *rest: Tensor):
+    """Apply fn to row chunks of h (and matching rows of `rest`), concatenating results."""
+    if h.shape[0] <= TOKEN_CHUNK:
+        return fn(h, *rest)
+    outs = [fn(h[s:s + TOKEN_CHUNK], *(r[s:s + TOKEN_CHUNK] for r in rest))
+            for s in range(0, h.shape[0], TOKEN_CHUNK)]
+    return tuple(torch.cat(parts, dim=0) for parts in zip(*outs))
+
+
+class KnownHead(nn.Module):
+    """Dense known-concept head: `concept_predictor` (C x D) and `concept_embedding` (C x D)."""
+
+    def __init__(self, n_concepts: int, n_padded: int, n_embd: int, topk: int, chunk: int):
+        super().__init__()
+        self.n_concepts, self.topk, self.chunk = n_concepts, topk, chunk
+        self.concept_predictor = nn.Linear(n_embd, n_padded, bias=False)
+        self.concept_embedding = nn.Embedding(n_padded, n_embd)
+
+    def embeddings(self, ids: Tensor) -> Tensor:
+        return self.concept_embedding.weight[ids]
+
+    def topk_of(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        w = self.concept_predictor.weight[: self.n_concepts]
+        return _by_token_chunks(lambda x: streaming_topk(x, w, self.topk, self.chunk, True), h)
+
+    def mix(self, idx: Tensor, weights: Tensor) -> Tensor:
+        """sum_i weights_i * E[idx_i] per row, without forming (N, k, D)."""
+        table = self.concept_embedding.weight
+        return F.embedding_bag(idx, table, per_sample_weights=weights.to(table.dtype), mode="sum")
+
+    def features(self, idx: Tensor, logits: Tensor) -> Tensor:
+        return self.mix(idx, torch.sigmoid(logits))
+
+
+class DiscoveredHead(nn.Module):
+    """Factorized discovered ("unknown") head: logits = up(down(h)); E = basis(coef)."""
+
+    def __init__(self, n_concepts: int, n_padded: int, n_embd: int, rank: int, topk: int, chunk: int):
+        super().__init__()
+        self.n_concepts, self.topk, self.chunk = n_concepts, topk, chunk
+        self.embedding_coef = nn.Embedding(n_padded, rank)
+        self.embedding_basis = nn.Linear(rank, n_embd, bias=False)
+        self.predictor_down = nn.Linear(n_embd, rank, bias=False)
+        self.predictor_up = nn.Linear(rank, n_padded, bias=False)
+
+    def embeddings(self, ids: Tensor) -> Tensor:
+        return self.embedding_basis(self.embedding_coef.weight[ids])
+
+    def topk_of(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        up = self.predictor_up.weight[: self.n_concepts]
+        down = self.predictor_down.weight
+
+        def one(x: Tensor) -> tuple[Tensor, Tensor]:
+            compressed = (x @ down.t()).float()
+            return streaming_topk(compressed, up, self.topk, self.chunk, False)
+
+        return _by_token_chunks(one, h)
+
+    def features(self, idx: Tensor, logits: Tensor) -> Tensor:
+        table = self.embedding_coef.weight
+        coef = F.embedding_bag(idx, table, per_sample_weights=torch.sigmoid(logits).to(table.dtype), mode="sum")
+        return coef @ self.embedding_basis.weight.t().to(coef.dtype)

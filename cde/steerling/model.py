@@ -1,0 +1,284 @@
+"""Steerling: a block-causal diffusion transformer with a concept bottleneck.
+
+Plain PyTorch in the gpt-fast style. Parameter names equal the public `steerling`
+package's (`transformer.tok_emb.weight`, `transformer.blocks.N.attn.c_attn.weight`,
+`known_head.*`, `unknown_head.*`) so its checkpoints load unchanged.
+
+Architecture (shared/spec/steerling.md): post-norm residuals, fused qkv clamped to
++-clip_qkv, RMSNorm QK-norm before RoPE (theta 500000, full head dim, rotate-half, fp32),
+SwiGLU with `c_fc` split as (up, gate), tied LM head, attention block-causal on absolute
+positions: query i sees key j iff i // 64 >= j // 64.
+
+Attention is a pluggable function so the same layers serve the full-recompute reference
+(dense mask, below) and the paged engine (which passes its own `attend`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from cde.steerling.concept_heads import DiscoveredHead, KnownHead
+from cde.steerling.config import SteerlingConfig
+
+# attend(layer_index, q (B,H,T,hd), k (B,KV,T,hd), v (B,KV,T,hd)) -> (B,H,T,hd)
+AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x).to(dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, base: float, device=None) -> tuple[Tensor, Tensor]:
+    """cos/sin tables (max_len, head_dim) in fp32, computed as the reference does."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float) / head_dim))
+    pos = torch.arange(max_len, device=device, dtype=torch.float)
+    freqs = torch.outer(pos, inv_freq)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B,H,T,hd); cos/sin (B,1,T,hd) fp32. Rotate-half on the full head dim, in fp32."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: SteerlingConfig):
+        super().__init__()
+        self.n_head, self.n_kv, self.hd, self.clip = cfg.n_head, cfg.n_kv_heads, cfg.head_dim, cfg.clip_qkv
+        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * self.n_kv * self.hd, bias=False)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        b, t, c = x.shape
+        qkv = self.c_attn(x).clamp(-self.clip, self.clip)
+        q, k, v = qkv.split([c, self.n_kv * self.hd, self.n_kv * self.hd], dim=2)
+        q = q.reshape(b, t, self.n_head, self.hd).transpose(1, 2)
+        k = k.reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        y = attend(q, k, v)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: SteerlingConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 2 * cfg.intermediate_size, bias=False)
+        self.c_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        up, gate = self.c_fc(x).chunk(2, dim=-1)
+        return self.c_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: SteerlingConfig):
+        super().__init__()
+        self.ln_1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.ln_2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
+        x = x + self.ln_1(self.attn(x, cos, sin, attend))
+        return x + self.ln_2(self.mlp(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: SteerlingConfig):
+        super().__init__()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.tok_emb.weight = self.lm_head.weight  # tied
+
+
+@dataclass
+class SteeringInputs:
+    """Per-request steering, as tensors so a captured graph never changes shape.
+
+    vector (B, D): unit direction (zeros when the request is unsteered);
+    alpha (B,) fp32: current strength (0 switches injection off);
+    gate (B, T): 1.0 at positions that are still masked, else 0.0;
+    inject_layer (B,) int: block i injects when i + 1 >= inject_layer.
+    """
+
+    vector: Tensor
+    alpha: Tensor
+    gate: Tensor
+    inject_layer: Tensor
+
+
+@dataclass
+class KnownIntervention:
+    """Override known-concept weights: ids (B, M) with -1 = unused, values (B, M).
+
+    Matches the reference's dense path: keep the top-k weights, set the named concepts'
+    weights to the given values, and drop the epsilon residual for those requests.
+    """
+
+    ids: Tensor
+    values: Tensor
+
+
+@dataclass
+class HeadsOutput:
+    logits: Tensor          # (N, V)
+    known_idx: Tensor       # (N, k_known)
+    known_logits: Tensor    # (N, k_known) fp32, clamped
+    disc_idx: Tensor        # (N, k_disc)
+    disc_logits: Tensor     # (N, k_disc) fp32, clamped
+
+
+class SteerlingModel(nn.Module):
+    def __init__(self, cfg: SteerlingConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = Transformer(cfg)
+        self.known_head = KnownHead(cfg.n_known, cfg.n_known_padded, cfg.n_embd, cfg.topk_known, cfg.concept_chunk)
+        self.unknown_head = DiscoveredHead(
+            cfg.n_discovered, cfg.n_discovered_padded, cfg.n_embd, cfg.factorize_rank,
+            cfg.topk_discovered, cfg.concept_chunk,
+        )
+        cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # ---- initialisation -------------------------------------------------------------
+    def init_random(self, seed: int, std: float = 0.02) -> SteerlingModel:
+        """Random weights (normal(0, std), norms at 1) from a seeded generator."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight") or ".ln_" in name or name.endswith("ln_f.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return self
+
+    def rebuild_rope(self, device: torch.device | str | None = None) -> None:
+        """Recompute the RoPE tables (after building on the meta device)."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.block_size, self.cfg.rope_base, device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    # ---- the transformer ------------------------------------------------------------
+    def hidden_states(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        attend: AttendFn,
+        steering: SteeringInputs | None = None,
+    ) -> Tensor:
+        """Final hidden states (after ln_f), (B, T, D). positions (B, T) are absolute."""
+        x = self.transformer.tok_emb(tokens)
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        coef = None
+        if steering is not None:
+            coef = steering.alpha.float()[:, None] * steering.gate.float()  # (B, T)
+        for i, block in enumerate(self.transformer.blocks):
+            x = block(x, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v))
+            if coef is not None:
+                on = (steering.inject_layer <= i + 1).float()[:, None]  # (B, 1)
+                x = x + ((coef * on)[..., None] * steering.vector[:, None, :]).to(x.dtype)
+        return self.transformer.ln_f(x)
+
+    # ---- the concept bottleneck and the LM head -------------------------------------
+    def heads(self, h: Tensor, intervention: KnownIntervention | None = None,
+              intervened_rows: Tensor | None = None) -> HeadsOutput:
+        """Concept heads + LM head on rows h (N, D).
+
+        Without interventions logits = lm_head(known + discovered + eps) with
+        eps = h - (known + discovered), exactly as the reference composes them. With an
+        intervention (ids/values given per row, `intervened_rows` (N,) bool marking rows whose
+        request intervenes) those rows use the overridden known weights and no eps.
+        """
+        k_idx, k_logits = self.known_head.topk_of(h)
+        d_idx, d_logits = self.unknown_head.topk_of(h)
+        unk = self.unknown_head.features(d_idx, d_logits).to(h.dtype)
+        if intervention is None:
+            known = self.known_head.features(k_idx, k_logits).to(h.dtype)
+            eps = h - (unk + known)
+            composed = (unk + eps) + known
+        else:
+            known = self._intervened_known(k_idx, k_logits, intervention).to(h.dtype)
+            eps = h - (unk + known)
+            keep_eps = ~intervened_rows if intervened_rows is not None else torch.zeros_like(eps[:, 0], dtype=torch.bool)
+            composed = (unk + eps * keep_eps[:, None].to(eps.dtype)) + known
+        logits = self.transformer.lm_head(composed)
+        return HeadsOutput(logits, k_idx, k_logits, d_idx, d_logits)
+
+    def _intervened_known(self, idx: Tensor, logits: Tensor, iv: KnownIntervention) -> Tensor:
+        weights = torch.sigmoid(logits)
+        ids, vals = iv.ids, iv.values.float()
+        valid = ids >= 0
+        match = (idx[:, :, None] == ids[:, None, :]) & valid[:, None, :]           # (N, k, M)
+        overridden = match.any(-1)
+        new_w = torch.where(overridden, (match.float() * vals[:, None, :]).sum(-1), weights)
+        extra_ids = torch.where(valid, ids, torch.zeros_like(ids))
+        extra_w = torch.where(valid & ~match.any(1), vals, torch.zeros_like(vals))  # not already in top-k
+        return self.known_head.mix(torch.cat([idx, extra_ids], 1), torch.cat([new_w, extra_w], 1))
+
+    # ---- convenience: full-sequence forward (reference / parity) ---------------------
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        steering: SteeringInputs | None = None,
+        intervention: KnownIntervention | None = None,
+    ) -> HeadsOutput:
+        """Dense block-causal forward over whole sequences; heads on every position.
+
+        Returns HeadsOutput with leading dims flattened to B*T.
+        """
+        b, t = tokens.shape
+        if positions is None:
+            positions = torch.arange(t, device=tokens.device).expand(b, t)
+        attend = dense_block_causal_attend(positions, self.cfg.diff_block_size)
+        h = self.hidden_states(tokens, positions, attend, steering)
+        rows = None
+        if intervention is not None:
+            m = intervention.ids.shape[-1]
+            intervention = KnownIntervention(
+                intervention.ids[:, None, :].expand(b, t, m).reshape(b * t, m),
+                intervention.values[:, None, :].expand(b, t, m).reshape(b * t, m),
+            )
+            rows = (intervention.ids >= 0).any(-1)
+        return self.heads(h.reshape(b * t, -1), intervention, rows)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights counted once
+
+
+def dense_block_causal_attend(positions: Tensor, block: int) -> AttendFn:
+    """SDPA with a dense block-causal mask over absolute positions (reference path)."""
+    blk = positions // block
+    mask = (blk[:, :, None] >= blk[:, None, :])[:, None]  # (B, 1, T, T)
+
+    def attend(_layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return attend
