@@ -58,6 +58,7 @@ EmbedFn = Callable[[Tensor], Tensor]
 LmRowsFn = Callable[[Tensor], Tensor]
 
 
+@torch.no_grad()
 def token_attribution(records: RawRecords, known_embed: EmbedFn, disc_embed: EmbedFn,
                       lm_rows: LmRowsFn) -> TokenAttribution:
     """Contributions of every top-k concept to each committed token's logit (fp32)."""
