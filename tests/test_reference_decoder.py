@@ -57,10 +57,10 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(model):
 
 def test_threshold_mode_commits_several_per_step(model):
     prompt = list(range(64))
-    res = generate(model, prompt, DecodeOptions(64, greedy(), confidence_threshold=0.0102), tokenizer_vocab_size=VOCAB)
+    res = generate(model, prompt, DecodeOptions(64, greedy(), tokens_per_step=16, confidence_threshold=0.0102), tokenizer_vocab_size=VOCAB)
     sizes = [len(s.positions) for s in res.steps]
     assert all(n >= 1 for n in sizes) and max(sizes) > 1 and len(res.steps) < 64
-    strict = generate(model, prompt, DecodeOptions(64, greedy(), confidence_threshold=1.0), tokenizer_vocab_size=VOCAB)
+    strict = generate(model, prompt, DecodeOptions(64, greedy(), tokens_per_step=16, confidence_threshold=1.0), tokenizer_vocab_size=VOCAB)
     assert all(len(s.positions) == 1 for s in strict.steps)
 
 

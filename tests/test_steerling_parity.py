@@ -284,7 +284,8 @@ def test_greedy_generation_k_tokens_per_step_matches():
     res = generate(ours, prompt[0].tolist(), DecodeOptions(128, greedy(), tokens_per_step=4),
                    tokenizer_vocab_size=TOKENIZER_VOCAB)
     assert res.sequence == ref.tokens.tolist(), f"seed {seed}"
-    assert len(res.steps) == 32 and all(len(s.positions) == 4 for s in res.steps)
+    assert all(len(s.positions) == 4 for s in res.steps[:-1])
+    assert len(res.steps) == 32 or res.finish_reason == "stop"   # an early <|eot_id|> ends it sooner
 
 
 @pytest.mark.parametrize("mode", ["entropy", "temperature"])
@@ -327,7 +328,7 @@ def test_sampling_distribution_matches_oracle_at_every_position(mode, monkeypatc
 
     monkeypatch.setattr(ref_mod, "_sample_top_p", spy_top_p)
     ref = gen.generate_full(prompt, ref_cfg)
-    assert len(draws) == 64
+    assert 0 < len(draws) <= 64   # fewer when <|eot_id|> is drawn
 
     params = SamplingParams(use_entropy_sampling=entropy, temperature=0.9, top_p=0.8)
     step = {"i": 0}
@@ -342,7 +343,7 @@ def test_sampling_distribution_matches_oracle_at_every_position(mode, monkeypatc
 
     res = generate(ours, prompt[0].tolist(), DecodeOptions(64, params, seed=seed), choose=replay,
                    tokenizer_vocab_size=TOKENIZER_VOCAB)
-    assert step["i"] == 64
+    assert step["i"] == len(draws)
     assert res.sequence == ref.tokens.tolist()  # same positions chosen by confidence every step
 
 

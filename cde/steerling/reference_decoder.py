@@ -7,7 +7,7 @@ model with a dense block-causal mask; nothing is cached.
 Decode blocks are aligned to 64-token attention blocks: the first decode block starts at
 floor(L / 64) * 64, and the prompt's partial last block stays fixed inside it. Within a
 block, each step scores the masked positions, commits the `tokens_per_step` most confident
-ones (or, in threshold mode, all at or above the threshold, at least one), and samples each
+ones (in threshold mode: those of them at or above the threshold, at least one), and samples each
 with the Steerling sampler. Randomness comes from (seed, position, step) only. When the
 prompt length is a multiple of 64 this is the public package's `generate_full`.
 
@@ -154,12 +154,11 @@ def generate(
             adjusted = adjust_logits(heads.logits, seen[None].expand(len(masked), -1), rep.expand(len(masked)),
                                      cfg.eos_id, banned, relu)
             conf = confidence(adjusted)
+            sel = conf.topk(min(options.tokens_per_step, masked.numel())).indices
             if options.confidence_threshold is not None:
-                order = torch.argsort(conf, descending=True, stable=True)
-                n_sel = max(1, int((conf >= options.confidence_threshold).sum()))
-                sel = order[:n_sel]
-            else:
-                sel = conf.topk(min(options.tokens_per_step, masked.numel())).indices
+                # at least the most confident position, then those at or above the threshold
+                n_sel = max(1, int((conf[sel] >= options.confidence_threshold).sum()))
+                sel = sel[:n_sel]
             sel_pos = masked[sel]
             u = counter_uniform(seed.expand(len(sel)), sel_pos, torch.full_like(sel_pos, step))
             if choose is None:
