@@ -1,0 +1,161 @@
+"""The fast engine against the reference decoder: token for token, record for record.
+
+CPU, fp32, tiny configs, fresh seeds. Batches mix prompt lengths (64-aligned and not),
+steering on some requests only, requests joining mid-flight, k > 1 tokens per step and a
+page pool small enough to force preemption.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cde.steerling.config import TINY
+from cde.steerling.model import SteerlingModel
+from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.sampling import SamplingParams
+from cde.steerling.steering import SteeringSpec, prepare
+from worker_svc.engine.engine import BlockEvent, Engine, FinishEvent, StepEvent
+
+pytestmark = pytest.mark.parity
+VOCAB = 264
+
+
+def fresh_seed() -> int:
+    return random.SystemRandom().randrange(1 << 30)
+
+
+def make_model(seed: int, cfg=TINY) -> SteerlingModel:
+    return SteerlingModel(cfg).init_random(seed, std=0.05).eval()
+
+
+def steer(model, ids, mode="amplify"):
+    spec = SteeringSpec.amplify(ids, 10.0, 2, 24) if mode == "amplify" else SteeringSpec.suppress(ids[0], ids[1:], -8.0)
+    return prepare(spec, model.known_head.embeddings(torch.tensor(spec.concept_ids)),
+                   model.transformer.lm_head.weight, model.cfg.n_layers)
+
+
+def check_against_reference(model, engine, submitted):
+    """Every request's events must equal what the reference decoder produces alone."""
+    for rid, (prompt, opts, st, handle) in submitted.items():
+        events = list(engine.drain(handle))
+        finish = [e for e in events if isinstance(e, FinishEvent)]
+        assert len(finish) == 1, rid
+        ref = generate(model, prompt, opts, st, tokenizer_vocab_size=VOCAB)
+        assert finish[0].output_tokens == ref.output_tokens, rid
+        assert finish[0].reason == ref.finish_reason, rid
+        assert handle.seq == ref.sequence, rid
+        steps = [e for e in events if isinstance(e, StepEvent)]
+        assert [(s.step, s.positions, s.tokens) for s in steps] == \
+            [(s.step, s.positions, s.tokens) for s in ref.steps], rid
+        blocks = [e for e in events if isinstance(e, BlockEvent)]
+        assert [(b.block, b.start, b.end, b.tokens) for b in blocks] == \
+            [(b.block, b.start, b.end, b.tokens) for b in ref.blocks], rid
+        for ours, theirs in zip(blocks, ref.blocks):
+            a, b = ours.records, theirs.records
+            assert torch.equal(a.positions, b.positions) and torch.equal(a.tokens, b.tokens)
+            assert torch.equal(a.known_idx, b.known_idx) and torch.equal(a.disc_idx, b.disc_idx)
+            assert torch.allclose(a.target_logits, b.target_logits, atol=1e-5)
+            assert torch.allclose(a.known_logits, b.known_logits, atol=1e-5)
+            assert torch.allclose(a.disc_logits, b.disc_logits, atol=1e-5)
+
+
+def test_mixed_batch_with_steering_joins_and_k_per_step():
+    seed = fresh_seed()
+    model = make_model(seed)
+    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=64)
+    rng = random.Random(seed)
+    submitted = {}
+    specs = [  # prompt length, max new, steering, tokens per step, sampling
+        (1, 70, None, 1, SamplingParams()),
+        (63, 66, "amplify", 1, SamplingParams()),
+        (64, 128, None, 2, SamplingParams(use_entropy_sampling=False, temperature=0.7, top_p=0.9)),
+        (65, 60, "suppress", 1, SamplingParams(use_entropy_sampling=False, temperature=0.0)),
+        (130, 90, None, 3, SamplingParams()),
+    ]
+
+    def submit(i, spec):
+        length, new, mode, k, sp = spec
+        prompt = [rng.randrange(256) for _ in range(length)]
+        st = steer(model, [rng.randrange(TINY.n_known) for _ in range(2)], mode) if mode else None
+        opts = DecodeOptions(new, sp, tokens_per_step=k, seed=rng.randrange(1 << 40))
+        submitted[f"r{i}"] = (prompt, opts, st, engine.submit(f"r{i}", prompt, opts, st))
+
+    for i, spec in enumerate(specs[:3]):
+        submit(i, spec)
+    for _ in range(7):          # later requests join mid-flight
+        engine.step()
+    submit(3, specs[3])
+    for _ in range(20):
+        engine.step()
+    submit(4, specs[4])
+    engine.run_until_idle()
+    assert engine.stats().pages_used == 0
+    check_against_reference(model, engine, submitted)
+
+
+def test_preemption_with_a_tiny_page_pool_gives_the_same_output():
+    seed = fresh_seed()
+    model = make_model(seed)
+    # 7 usable pages; four requests each needing 3-4 pages at the end
+    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=8)
+    rng = random.Random(seed)
+    submitted = {}
+    for i, (length, new) in enumerate([(70, 150), (10, 180), (64, 120), (100, 100)]):
+        prompt = [rng.randrange(256) for _ in range(length)]
+        opts = DecodeOptions(new, SamplingParams(), tokens_per_step=4, seed=i + seed)
+        submitted[f"p{i}"] = (prompt, opts, None, engine.submit(f"p{i}", prompt, opts))
+    engine.run_until_idle()
+    assert engine.preemptions > 0
+    assert engine.stats().pages_used == 0
+    check_against_reference(model, engine, submitted)
+
+
+def test_gqa_and_mqa_configs_match_too():
+    seed = fresh_seed()
+    cfg = TINY.replace(n_layers=2, n_embd=96, n_head=6, n_kv_heads=1, n_known=70, n_discovered=50,
+                       topk_known=5, topk_discovered=7, concept_chunk=16)
+    model = make_model(seed, cfg)
+    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
+    submitted = {}
+    for i, length in enumerate((5, 64, 77)):
+        prompt = list(range(length))
+        opts = DecodeOptions(64, SamplingParams(), seed=seed + i)
+        submitted[str(i)] = (prompt, opts, None, engine.submit(str(i), prompt, opts))
+    engine.run_until_idle()
+    check_against_reference(model, engine, submitted)
+
+
+def test_cancel_frees_pages_within_one_step():
+    model = make_model(1)
+    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
+    a = engine.submit("a", list(range(200)), DecodeOptions(300))
+    b = engine.submit("b", list(range(30)), DecodeOptions(300))
+    for _ in range(3):
+        engine.step()
+    used = engine.stats().pages_used
+    assert used == len(a.pages) + len(b.pages) and used > 0
+    assert engine.cancel("a")
+    engine.step()
+    assert engine.stats().pages_used == len(b.pages)
+    assert [e.reason for e in engine.drain(a) if isinstance(e, FinishEvent)] == ["cancelled"]
+    assert not engine.cancel("a")
+    engine.cancel("b")
+    engine.run_until_idle()
+    assert engine.stats().pages_used == 0 and engine.stats().running == 0
+
+
+def test_requests_that_can_never_fit_fail_clearly():
+    model = make_model(2)
+    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=3)
+    h = engine.submit("big", list(range(200)), DecodeOptions(10))
+    engine.run_until_idle()
+    (fin,) = [e for e in engine.drain(h) if isinstance(e, FinishEvent)]
+    assert fin.reason == "error" and "KV pages" in fin.error
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.submit("x", [1], DecodeOptions(4))
+        engine.submit("x", [1], DecodeOptions(4))
+    with pytest.raises(ValueError, match="context"):
+        engine.submit("y", [1] * 1000, DecodeOptions(100))

@@ -1,0 +1,438 @@
+"""The engine: continuous batching at step granularity over the paged runtime.
+
+Each call to `step()` builds one batch of 64-token rows from the running requests:
+- a request whose prompt (or, after preemption, whose committed blocks) is not yet in the
+  cache contributes commit rows for those blocks (chunked by `max_prefill_rows`) and, once
+  they are all in, its decode row in the same step;
+- a request whose active block just finished contributes one commit row (its final K/V),
+  unless that block ends the request (nobody will attend to it);
+- every other request contributes its active block as a decode row.
+Requests join and leave between any two steps. When a request needs a page and none is
+free, the most recently admitted request is preempted: its pages are freed and it is
+recomputed later from its committed tokens. Because randomness depends only on (seed,
+position, step), preemption and batching never change a seeded request's output.
+
+The host keeps each request's tokens; the device keeps KV pages, steering vectors, relu
+masks and seen-token bitmaps per slot. One device-to-host copy per step brings back the
+chosen positions, tokens and raw concept records.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from cde.steerling.attribution import RawRecords
+from cde.steerling.model import SteerlingModel
+from cde.steerling.reference_decoder import DecodeOptions, clean_output, terminal_ids
+from cde.steerling.sampling import banned_ids
+from cde.steerling.steering import PreparedSteering, resolve_alpha
+from worker_svc.engine.kv_cache import KVCache
+from worker_svc.engine.runner import BLOCK, DeviceTables, ForwardInputs, SamplerInputs, StepRunner
+
+ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+PAGE_BUCKETS = (2, 4, 8, 16, 32, 64)
+K_BUCKETS = (1, 4, 16, 64)
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return n
+
+
+# ---- events ---------------------------------------------------------------------------------
+
+@dataclass
+class StepEvent:
+    request_id: str
+    step: int
+    positions: list[int]
+    tokens: list[int]
+
+
+@dataclass
+class BlockEvent:
+    request_id: str
+    block: int
+    start: int
+    end: int
+    tokens: list[int]          # sequence[start:end] when the block closed
+    records: RawRecords
+
+
+@dataclass
+class FinishEvent:
+    request_id: str
+    reason: str                # stop | length | cancelled | error
+    output_tokens: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    steps: int
+    error: str = ""
+
+
+Event = StepEvent | BlockEvent | FinishEvent
+
+
+# ---- host-side request state ------------------------------------------------------------------
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    options: DecodeOptions
+    steering: PreparedSteering | None
+    seq: list[int]
+    gen_end: int
+    arrival: int
+    events: deque = field(default_factory=deque)
+    slot: int = 0
+    pages: list[int] = field(default_factory=list)
+    kv_blocks: int = 0               # blocks 0..kv_blocks-1 have final K/V in the cache
+    active: int = 0                  # index of the block being decoded
+    step: int = 0
+    committed: int = 0
+    block_records: list = field(default_factory=list)
+    pending_commit: bool = False     # active block finished; write its final K/V next step
+    done: bool = False
+    cancelled: bool = False
+    admitted_at: int = -1
+
+    @property
+    def first_block(self) -> int:
+        return len(self.prompt) // BLOCK
+
+    def block_range(self, b: int) -> tuple[int, int]:
+        return b * BLOCK, min((b + 1) * BLOCK, self.gen_end)
+
+
+@dataclass
+class EngineStats:
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    running: int
+    waiting: int
+    steps: int
+    forwards: int
+    compiles: int
+    preemptions: int
+
+
+class Engine:
+    def __init__(self, model: SteerlingModel, *, tokenizer_vocab_size: int | None = None, max_slots: int = 64,
+                 n_pages: int | None = None, max_prefill_rows: int = 32, compile: bool = False,
+                 cuda_graphs: bool = False, kv_fraction: float = 0.85):
+        self.model = model.eval()
+        self.cfg = model.cfg
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.kv = KVCache.sized_from_free_memory(self.cfg, self.dtype, self.device, kv_fraction, n_pages)
+        self.tables = DeviceTables(max_slots + 1, self.cfg.n_embd, self.cfg.vocab_size, self.dtype, self.device)
+        self.runner = StepRunner(model, self.kv, self.tables, banned_ids(self.cfg, tokenizer_vocab_size, self.device))
+        self.max_prefill_rows = max_prefill_rows
+        self._free_slots = list(range(max_slots, 0, -1))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.steps = self.forwards = self.preemptions = 0
+        self._lock = threading.Lock()
+        self.compiles = 0
+        self._forward = self.runner.forward
+        self._sample = self.runner.sample
+        if compile:
+            self._compile()
+        self._graphs = None
+        if cuda_graphs:
+            from worker_svc.engine.graphs import GraphCache
+            self._graphs = GraphCache(self)
+
+    # ---- compilation ----------------------------------------------------------------------
+    def _compile(self) -> None:
+        def counting_backend(gm, example_inputs):
+            self.compiles += 1
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs)
+
+        self._forward = torch.compile(self.runner.forward, backend=counting_backend, dynamic=True)
+        self._sample = torch.compile(self.runner.sample, backend=counting_backend, dynamic=True)
+
+    # ---- public API -----------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: list[int], options: DecodeOptions,
+               steering: PreparedSteering | None = None) -> Request:
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        gen_end = len(prompt) + options.max_new_tokens
+        if gen_end > self.cfg.block_size:
+            raise ValueError(f"prompt + max_new_tokens = {gen_end} exceeds the context of {self.cfg.block_size}")
+        if options.tokens_per_step > K_BUCKETS[-1]:
+            raise ValueError(f"tokens_per_step must be <= {K_BUCKETS[-1]}")
+        with self._lock:
+            if request_id in self.requests:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            req = Request(request_id, list(prompt), options, steering,
+                          list(prompt) + [self.cfg.mask_id] * options.max_new_tokens, gen_end, next(self._arrivals))
+            req.active = req.first_block
+            self.requests[request_id] = req
+            self.waiting.append(req)
+        return req
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None or req.done:
+                return False
+            req.cancelled = True
+            return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(pool.usable, pool.used, pool.free, len(self.running), len(self.waiting),
+                           self.steps, self.forwards, self.compiles, self.preemptions)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.has_work():
+                return
+            self.step()
+        raise RuntimeError("engine did not become idle")
+
+    def drain(self, req: Request) -> Iterator[Event]:
+        while req.events:
+            yield req.events.popleft()
+
+    # ---- scheduling -----------------------------------------------------------------------
+    def _release(self, req: Request) -> None:
+        self.kv.pool.release(req.pages)
+        req.pages = []
+        req.kv_blocks = 0
+        if req.slot:
+            self._free_slots.append(req.slot)
+            req.slot = 0
+
+    def _finish(self, req: Request, reason: str, error: str = "") -> None:
+        req.done = True
+        self._release(req)
+        if req in self.running:
+            self.running.remove(req)
+        stops = terminal_ids(self.cfg, req.options)
+        out = clean_output(req.seq[len(req.prompt):], self.cfg, stops)
+        req.events.append(FinishEvent(req.request_id, reason, out, len(req.prompt), len(out), req.step, error))
+        del self.requests[req.request_id]
+
+    def _preempt_one(self, needing: Request) -> bool:
+        """Free the pages of the most recently admitted other running request."""
+        victims = [r for r in self.running if r is not needing]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda r: r.admitted_at)
+        self.running.remove(victim)
+        self._release(victim)
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+        return True
+
+    def _ensure_pages(self, req: Request, n_blocks: int) -> bool:
+        """Make sure blocks 0..n_blocks-1 of req have pages, preempting others if needed."""
+        while len(req.pages) < n_blocks:
+            page = self.kv.pool.alloc()
+            if page is None:
+                if not self._preempt_one(req):
+                    return False
+                continue
+            req.pages.append(page)
+        return True
+
+    def _admit(self) -> None:
+        while self.waiting and self._free_slots:
+            req = self.waiting[0]
+            if req.cancelled:
+                self.waiting.popleft()
+                self._finish(req, "cancelled")
+                continue
+            need = req.active + 1
+            if self.kv.pool.free < need:
+                if not self.running and need > self.kv.pool.usable:
+                    self.waiting.popleft()
+                    self._finish(req, "error", f"request needs {need} KV pages; the pool has {self.kv.pool.usable}")
+                    continue
+                break
+            self.waiting.popleft()
+            req.slot = self._free_slots.pop()
+            req.admitted_at = self.steps
+            self._ensure_pages(req, need)
+            self._init_slot(req)
+            self.running.append(req)
+
+    def _init_slot(self, req: Request) -> None:
+        s = req.slot
+        self.tables.seen[s] = False
+        ids = torch.tensor([t for t in req.seq if t != self.cfg.mask_id] + [self.cfg.mask_id], device=self.device)
+        self.tables.seen[s, ids] = True
+        st = req.steering
+        self.tables.steer[s] = 0 if st is None else st.direction.to(self.device, self.dtype)
+        self.tables.relu[s] = 0 if st is None or st.relu_mask is None else st.relu_mask.to(self.device)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        with self._lock:
+            for req in [r for r in self.running if r.cancelled]:
+                self._finish(req, "cancelled")
+            self._admit()
+            rows = self._plan_rows()
+        if not rows:
+            return
+        results = self._execute(rows)
+        with self._lock:
+            self._apply(rows, results)
+            self.steps += 1
+
+    def _plan_rows(self) -> list[tuple[Request, int, bool]]:
+        """(request, block index, is_decode) rows for this step."""
+        rows: list[tuple[Request, int, bool]] = []
+        prefill_budget = self.max_prefill_rows
+        for req in self.running:
+            # blocks whose final K/V must be in the cache before the request can decode on
+            target = req.active + 1 if req.pending_commit else req.active
+            if req.kv_blocks < target:
+                n = min(target - req.kv_blocks, max(prefill_budget, 1))
+                prefill_budget -= n
+                rows += [(req, b, False) for b in range(req.kv_blocks, req.kv_blocks + n)]
+                if req.kv_blocks + n < target or req.pending_commit:
+                    continue
+            rows.append((req, req.active, True))
+        return rows
+
+    def _execute(self, rows: list[tuple[Request, int, bool]]) -> tuple:
+        cfg = self.cfg
+        n = len(rows)
+        rb = bucket(n, ROW_BUCKETS)
+        max_block = max(b for _, b, _ in rows)
+        pb = bucket(max_block + 1, PAGE_BUCKETS)
+        kmax = bucket(max((r.options.tokens_per_step for r, _, d in rows if d), default=1), K_BUCKETS)
+        tokens = torch.full((rb, BLOCK), cfg.pad_id, dtype=torch.long)
+        positions = torch.zeros((rb, BLOCK), dtype=torch.long)
+        write_page = torch.zeros(rb, dtype=torch.long)
+        pages = torch.zeros((rb, pb), dtype=torch.long)
+        n_visible = torch.full((rb,), BLOCK, dtype=torch.long)
+        slot = torch.zeros(rb, dtype=torch.long)
+        alpha = torch.zeros(rb, dtype=torch.float32)
+        inject = torch.full((rb,), cfg.n_layers + 1, dtype=torch.long)
+        decode = torch.zeros(rb, dtype=torch.bool)
+        rep = torch.ones(rb)
+        greedy = torch.ones(rb, dtype=torch.bool)
+        entropy = torch.zeros(rb, dtype=torch.bool)
+        temperature = torch.ones(rb)
+        top_p = torch.ones(rb)
+        seed = torch.zeros(rb, dtype=torch.long)
+        stepc = torch.zeros(rb, dtype=torch.long)
+        k = torch.zeros(rb, dtype=torch.long)
+        threshold = torch.full((rb,), float("-inf"))
+        for i, (req, b, is_decode) in enumerate(rows):
+            start, end = req.block_range(b)
+            tokens[i, : end - start] = torch.tensor(req.seq[start:end])
+            positions[i] = torch.arange(start, start + BLOCK)
+            write_page[i] = req.pages[b]
+            pages[i, : b + 1] = torch.tensor(req.pages[: b + 1])
+            n_visible[i] = b * BLOCK + (end - start)
+            slot[i] = req.slot
+            if req.steering is not None and is_decode:
+                st = req.steering
+                alpha[i] = resolve_alpha(st.schedule, st.base_alpha, req.committed, st.cutoff_tokens)
+                inject[i] = st.inject_layer
+            if is_decode:
+                o, sp = req.options, req.options.sampling
+                decode[i] = True
+                rep[i] = sp.repetition_penalty
+                greedy[i] = sp.greedy
+                entropy[i] = sp.use_entropy_sampling
+                temperature[i] = sp.temperature
+                top_p[i] = sp.top_p
+                seed[i] = o.seed
+                stepc[i] = req.step
+                k[i] = o.tokens_per_step
+                if o.confidence_threshold is not None:
+                    threshold[i] = o.confidence_threshold
+        dev = self.device
+        fwd = ForwardInputs(*(t.to(dev, non_blocking=True) for t in (tokens, positions, write_page, pages, n_visible, slot)),
+                            alpha.to(dev), inject.to(dev))
+        smp = SamplerInputs(*(t.to(dev, non_blocking=True) for t in (decode, slot, rep, greedy, entropy, temperature,
+                                                                       top_p, seed, stepc, k, threshold)))
+        if self._graphs is not None:
+            out = self._graphs.run(rb, pb, kmax, fwd, smp)
+        else:
+            logits, kidx, klog, didx, dlog = self._forward(fwd)
+            out = self._sample(kmax, fwd.tokens, fwd.positions, logits, kidx, klog, didx, dlog, smp)
+        self.forwards += 1
+        return tuple(t.cpu() for t in out)
+
+    def _apply(self, rows, results) -> None:
+        pos_sel, tok_sel, valid, target, kidx, klog, didx, dlog = results
+        closed, advance = [], []
+        for i, (req, b, is_decode) in enumerate(rows):
+            if not is_decode:
+                req.kv_blocks = max(req.kv_blocks, b + 1)
+                if req.pending_commit and b == req.active:
+                    advance.append(req)
+                continue
+            keep = valid[i].nonzero().squeeze(1)
+            if keep.numel() == 0:  # cannot happen for a block with masks left; never burn a step
+                continue
+            positions = pos_sel[i, keep].tolist()
+            toks = tok_sel[i, keep].tolist()
+            for p, t in zip(positions, toks):
+                req.seq[p] = t
+            req.committed += len(toks)
+            req.events.append(StepEvent(req.request_id, req.step, positions, toks))
+            req.block_records.append(RawRecords(pos_sel[i, keep], tok_sel[i, keep], target[i, keep],
+                                                kidx[i, keep], klog[i, keep], didx[i, keep], dlog[i, keep]))
+            req.step += 1
+            eot = self.cfg.eot_id is not None and self.cfg.eot_id in toks
+            start, end = req.block_range(b)
+            if eot:
+                p = positions[toks.index(self.cfg.eot_id)]
+                for q in range(p + 1, req.gen_end):
+                    req.seq[q] = self.cfg.eos_id
+            if eot or self.cfg.mask_id not in req.seq[start:end]:
+                closed.append((req, b, eot))
+        for req, b, eot in closed:
+            self._close_block(req, b, eot)
+        for req in advance:
+            req.pending_commit = False
+            self._advance(req)
+
+    def _close_block(self, req: Request, b: int, eot: bool) -> None:
+        start, end = req.block_range(b)
+        first = max(start, len(req.prompt))
+        records = RawRecords.cat(req.block_records) if req.block_records else None
+        req.block_records = []
+        req.events.append(BlockEvent(req.request_id, b, first, end, req.seq[first:end], records))
+        stops = terminal_ids(self.cfg, req.options)
+        if eot or any(t in stops for t in req.seq[len(req.prompt):end]):
+            self._finish(req, "stop")
+        elif end >= req.gen_end:
+            self._finish(req, "length")
+        else:
+            req.pending_commit = True
+
+    def _advance(self, req: Request) -> None:
+        req.active += 1
+        if not self._ensure_pages(req, req.active + 1):
+            # nothing left to preempt: wait for pages (kept state; recomputed on readmission)
+            self.running.remove(req)
+            self._release(req)
+            self.waiting.appendleft(req)
+            self.preemptions += 1

@@ -1,0 +1,164 @@
+"""Device side of one engine step: the forward over a batch of 64-token rows, then the sampler.
+
+Every forward processes R rows; a row is one 64-token block of one request that attends to
+its request's pages up to and including its own (block-causal attention = "all earlier
+pages + my page"). A decode row is a request's active block (some positions still masked);
+a commit row is a finished block (prompt block at prefill, or a generated block after its
+last token) whose final K/V must be written once. Per layer, every row first writes its K/V
+into its own page, then attends over the pages it may see, so a request's commit rows and
+decode row can share a step.
+
+Both functions have fixed shapes for a given (rows, pages, k) bucket: no Python branching on
+data, steering and concept heads always in, so they compile once and can be captured as
+CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cde.steerling.model import SteeringInputs, SteerlingModel
+from cde.steerling.sampling import counter_uniform, draw, entropy_temperature
+from worker_svc.engine.kv_cache import KVCache
+
+BLOCK = 64
+
+
+@dataclass
+class ForwardInputs:
+    tokens: Tensor        # (R, 64) long; pad id beyond the row's length
+    positions: Tensor     # (R, 64) long absolute positions
+    write_page: Tensor    # (R,) physical page of the row's own block
+    pages: Tensor         # (R, P) physical pages of blocks 0..block (padded with scratch page 0)
+    n_visible: Tensor     # (R,) long: number of valid keys = 64 * block + row_len
+    steer_slot: Tensor    # (R,) long: index into the steering table
+    alpha: Tensor         # (R,) fp32 current steering strength (0 = off)
+    inject_layer: Tensor  # (R,) long
+
+
+@dataclass
+class SamplerInputs:
+    decode: Tensor        # (R,) bool: sample this row (commit rows do not)
+    slot: Tensor          # (R,) long: index into seen / relu tables
+    rep: Tensor           # (R,) fp32 repetition penalty
+    greedy: Tensor        # (R,) bool
+    entropy: Tensor       # (R,) bool entropy-adaptive temperature
+    temperature: Tensor   # (R,) fp32
+    top_p: Tensor         # (R,) fp32
+    seed: Tensor          # (R,) long
+    step: Tensor          # (R,) long: the request's step counter
+    k: Tensor             # (R,) long tokens per step
+    threshold: Tensor     # (R,) fp32 confidence threshold (-inf = off)
+
+
+class DeviceTables:
+    """Per-slot state that lives on the device: steering vectors, relu masks, seen-token bitmaps.
+
+    Slot 0 is scratch (padding rows point at it).
+    """
+
+    def __init__(self, n_slots: int, n_embd: int, vocab: int, dtype: torch.dtype, device):
+        self.steer = torch.zeros(n_slots, n_embd, dtype=dtype, device=device)
+        self.relu = torch.zeros(n_slots, vocab, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(n_slots, vocab, dtype=torch.bool, device=device)
+
+
+class StepRunner:
+    def __init__(self, model: SteerlingModel, kv: KVCache, tables: DeviceTables, banned: Tensor):
+        self.model = model
+        self.cfg = model.cfg
+        self.kv = kv
+        self.tables = tables
+        vocab = self.cfg.vocab_size
+        self.banned_mask = torch.zeros(vocab, dtype=torch.bool, device=banned.device)
+        self.banned_mask[banned] = True
+        self.banned_mask[self.cfg.eos_id] = True
+
+    # ---- forward ----------------------------------------------------------------------
+    def forward(self, inp: ForwardInputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        cfg, kv = self.cfg, self.kv
+        r, p = inp.pages.shape
+        n_kv, hd = cfg.n_kv_heads, cfg.head_dim
+        key_pos = torch.arange(p * BLOCK, device=inp.tokens.device)
+        mask = (key_pos[None, :] < inp.n_visible[:, None])[:, None, None, :]      # (R, 1, 1, P*64)
+        flat_pages = inp.pages.reshape(-1)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = kv.k[layer], kv.v[layer]
+            kc.index_copy_(0, inp.write_page, k.to(kc.dtype))
+            vc.index_copy_(0, inp.write_page, v.to(vc.dtype))
+            keys = kc.index_select(0, flat_pages).view(r, p, n_kv, BLOCK, hd).transpose(1, 2).reshape(r, n_kv, p * BLOCK, hd)
+            vals = vc.index_select(0, flat_pages).view(r, p, n_kv, BLOCK, hd).transpose(1, 2).reshape(r, n_kv, p * BLOCK, hd)
+            return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, enable_gqa=True)
+
+        steering = SteeringInputs(self.tables.steer.index_select(0, inp.steer_slot), inp.alpha,
+                                  (inp.tokens == cfg.mask_id).float(), inp.inject_layer)
+        h = self.model.hidden_states(inp.tokens, inp.positions, attend, steering)
+        heads = self.model.heads(h.reshape(r * BLOCK, -1))
+        return heads.logits, heads.known_idx, heads.known_logits, heads.disc_idx, heads.disc_logits
+
+    # ---- sampler ----------------------------------------------------------------------
+    def sample(self, kmax: int, tokens: Tensor, positions: Tensor, logits: Tensor, known_idx: Tensor,
+               known_logits: Tensor, disc_idx: Tensor, disc_logits: Tensor, s: SamplerInputs) -> tuple[Tensor, ...]:
+        """Pick and draw up to kmax positions per decode row; returns host-bound results.
+
+        Same arithmetic as the reference decoder, row by row: relu mask, repetition penalty,
+        bans, confidence = max softmax prob over the masked positions, top-k positions (with
+        the threshold rule), then argmax or an inverse-CDF draw with u(seed, position, step).
+        """
+        cfg = self.cfg
+        r = tokens.shape[0]
+        v = logits.shape[-1]
+        lg = logits.view(r, BLOCK, v)
+        out = lg.float() - self.tables.relu.index_select(0, s.slot)[:, None, :]
+        rp = s.rep[:, None, None]
+        penalized = torch.where(out > 0, out / rp, out * rp)
+        seen = self.tables.seen.index_select(0, s.slot)[:, None, :]
+        out = torch.where(seen & (rp != 1.0), penalized, out)
+        adjusted = out.masked_fill(self.banned_mask, float("-inf"))
+
+        conf = torch.softmax(adjusted, dim=-1).amax(dim=-1)                         # (R, 64)
+        candidate = (tokens == cfg.mask_id) & s.decode[:, None]
+        conf = torch.where(candidate, conf, torch.full_like(conf, float("-inf")))
+        conf_sel, idx = conf.topk(kmax, dim=1)                                       # (R, kmax)
+        j = torch.arange(kmax, device=tokens.device)[None, :]
+        valid = (j < s.k[:, None]) & (conf_sel > float("-inf")) & ((j == 0) | (conf_sel >= s.threshold[:, None]))
+
+        rows = torch.arange(r, device=tokens.device)[:, None].expand(r, kmax)
+        adj_sel = adjusted[rows, idx].reshape(r * kmax, v)
+        pos_sel = positions.gather(1, idx)
+        u = counter_uniform(s.seed[:, None].expand(r, kmax).reshape(-1), pos_sel.reshape(-1),
+                            s.step[:, None].expand(r, kmax).reshape(-1))
+        greedy = s.greedy[:, None].expand(r, kmax).reshape(-1)
+        entropy = s.entropy[:, None].expand(r, kmax).reshape(-1)
+        top_p = s.top_p[:, None].expand(r, kmax).reshape(-1)
+        temp = torch.where(entropy, entropy_temperature(adj_sel, top_p),
+                           s.temperature[:, None].expand(r, kmax).reshape(-1))
+        temp = torch.where(greedy, torch.ones_like(temp), temp)
+        probs = torch.softmax(adj_sel / temp[:, None], dim=-1)
+        sorted_p, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        keep = (cum - sorted_p) <= top_p[:, None]
+        keep[:, 0] = True
+        filtered = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        filtered = filtered / filtered.sum(-1, keepdim=True)
+        drawn = draw(filtered, sorted_ids, u)
+        tok_sel = torch.where(greedy, adj_sel.argmax(-1), drawn).view(r, kmax)
+
+        if cfg.eot_id is not None:  # nothing after an <|eot_id|> in the same step is committed
+            is_eot = (tok_sel == cfg.eot_id) & valid
+            valid = valid & ((torch.cumsum(is_eot.long(), 1) - is_eot.long()) == 0)
+
+        slot_w = torch.where(valid, s.slot[:, None].expand(r, kmax), torch.zeros_like(tok_sel))
+        self.tables.seen.index_put_((slot_w.reshape(-1), tok_sel.reshape(-1)),
+                                    torch.ones(r * kmax, dtype=torch.bool, device=tokens.device))
+
+        flat = (rows * BLOCK + idx).reshape(-1)
+        target = logits.view(r * BLOCK, v)[flat, tok_sel.reshape(-1)].float().view(r, kmax)
+        return (pos_sel, tok_sel, valid, target,
+                known_idx[flat].view(r, kmax, -1), known_logits[flat].view(r, kmax, -1),
+                disc_idx[flat].view(r, kmax, -1), disc_logits[flat].view(r, kmax, -1))
