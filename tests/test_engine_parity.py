@@ -56,10 +56,26 @@ def check_against_reference(model, engine, submitted):
         for ours, theirs in zip(blocks, ref.blocks):
             a, b = ours.records, theirs.records
             assert torch.equal(a.positions, b.positions) and torch.equal(a.tokens, b.tokens)
-            assert torch.equal(a.known_idx, b.known_idx) and torch.equal(a.disc_idx, b.disc_idx)
             assert torch.allclose(a.target_logits, b.target_logits, atol=1e-5)
-            assert torch.allclose(a.known_logits, b.known_logits, atol=1e-5)
-            assert torch.allclose(a.disc_logits, b.disc_logits, atol=1e-5)
+            assert_same_topk(a.known_idx, a.known_logits, b.known_idx, b.known_logits)
+            assert_same_topk(a.disc_idx, a.disc_logits, b.disc_idx, b.disc_logits)
+
+
+def assert_same_topk(idx_a, lg_a, idx_b, lg_b, atol=1e-5):
+    """Same concepts with the same logits (<= atol). The two paths round differently in the
+    last bit, so concepts whose logits tie within atol may swap order, or swap in and out at
+    the k-th place; anything else is a real difference."""
+    assert idx_a.shape == idx_b.shape
+    for ia, la, ib, lb in zip(idx_a.tolist(), lg_a.tolist(), idx_b.tolist(), lg_b.tolist()):
+        ma, mb = dict(zip(ia, la)), dict(zip(ib, lb))
+        for c in ma.keys() & mb.keys():
+            assert abs(ma[c] - mb[c]) <= atol, (c, ma[c], mb[c])
+        boundary = min(min(la), min(lb))
+        for c in ma.keys() ^ mb.keys():
+            assert abs(ma.get(c, mb.get(c)) - boundary) <= atol, (c, boundary)
+        # order: descending logits up to ties within atol
+        for seq in (la, lb):
+            assert all(x >= y - atol for x, y in zip(seq, seq[1:]))
 
 
 def test_mixed_batch_with_steering_joins_and_k_per_step():
@@ -98,7 +114,7 @@ def test_mixed_batch_with_steering_joins_and_k_per_step():
 
 def test_preemption_with_a_tiny_page_pool_gives_the_same_output():
     seed = fresh_seed()
-    model = make_model(seed)
+    model = make_model(seed, TINY.replace(eot_id=None))  # no early <|eot_id|>: every request runs to length
     # 7 usable pages; four requests each needing 3-4 pages at the end
     engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=8)
     rng = random.Random(seed)

@@ -287,6 +287,7 @@ class Engine:
         self.tables.relu[s] = 0 if st is None or st.relu_mask is None else st.relu_mask.to(self.device)
 
     # ---- one step -----------------------------------------------------------------------------
+    @torch.no_grad()
     def step(self) -> None:
         with self._lock:
             for req in [r for r in self.running if r.cancelled]:
