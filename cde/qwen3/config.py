@@ -78,7 +78,7 @@ class Qwen3Config:
 
     # ---- Hugging Face config.json -------------------------------------------------------
     def to_hf_config(self) -> dict[str, Any]:
-        """``config.json`` contents; transformers' ``Qwen3Config(**d)`` accepts it."""
+        """``config.json`` contents; transformers' ``Qwen3Config(**d)`` (4.x and 5.x) accepts it."""
         d: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": _MODEL_TYPES[self.architecture],
@@ -94,6 +94,7 @@ class Qwen3Config:
             "rms_norm_eps": self.rms_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},  # transformers >= 5
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "tie_word_embeddings": self.tie_word_embeddings,
@@ -124,9 +125,20 @@ class Qwen3Config:
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
-        rs = d.get("rope_scaling")
-        if rs is not None and (rs.get("rope_type") or rs.get("type")) not in ("default", None):
-            raise ValueError(f"rope_scaling {rs} is not supported (only plain RoPE)")
+        rope_theta = float(d.get("rope_theta", 10000.0))
+        # transformers >= 5 writes {"rope_parameters": {"rope_type", "rope_theta", ...}}
+        # (or one such dict per layer type); 4.x writes rope_theta + rope_scaling.
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
+            kinds = {json.dumps(v, sort_keys=True) for v in rp.values()}
+            if len(kinds) != 1:
+                raise ValueError(f"per-layer-type rope_parameters {rp} are not supported")
+            rp = next(iter(rp.values()))
+        for key, rs in (("rope_scaling", d.get("rope_scaling")), ("rope_parameters", rp)):
+            if rs is not None and (rs.get("rope_type") or rs.get("type")) not in ("default", None):
+                raise ValueError(f"{key} {rs} is not supported (only plain RoPE)")
+        if rp and rp.get("rope_theta") is not None:
+            rope_theta = float(rp["rope_theta"])
         n_layers = int(d["num_hidden_layers"])
         layer_types = d.get("layer_types")
         if layer_types is not None:
@@ -145,7 +157,7 @@ class Qwen3Config:
             n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
             head_dim=int(d.get("head_dim") or hidden // n_heads),
             intermediate=int(d["intermediate_size"]), vocab_size=int(d["vocab_size"]),
-            rope_theta=float(d.get("rope_theta", 10000.0)), rms_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta, rms_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_positions=int(d.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),

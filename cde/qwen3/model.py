@@ -1,0 +1,256 @@
+"""Causal LMs in the Qwen3 / SDAR layout (I-DLM), plain PyTorch in the gpt-fast style.
+
+Parameter names equal Hugging Face ``Qwen3ForCausalLM``'s (``model.embed_tokens.weight``,
+``model.layers.N.self_attn.q_proj.weight``, ``model.layers.N.mlp.gate_proj.weight``,
+``model.norm.weight``, ``lm_head.weight``...) so HF checkpoints load unchanged.
+
+Architecture, computed as transformers computes it: pre-norm residual blocks; RMSNorm in
+fp32, cast back to the input dtype *before* the weight multiply; QK-norm (RMSNorm over
+head_dim) before RoPE; RoPE rotate-half on the full head dim, cos/sin computed in fp32 and
+applied in the activation dtype; GQA; SwiGLU ``down(silu(gate(x)) * up(x))``; optional
+tied LM head.
+
+Attention is a pluggable function ``attend(layer, q, k, v) -> y`` so the same layers serve
+the dense reference forward (below) and a paged engine. Every projection is a
+:class:`Linear` that can carry a low-rank (LoRA) delta, applied per token through a 0/1
+gate: R-ISD applies the adapter only at [MASK] positions (see ``cde/qwen3/lora.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from cde.qwen3.config import Qwen3Config
+
+# attend(layer_index, q (B,H,T,hd), k (B,KV,T,hd), v (B,KV,T,hd)) -> (B,H,T,hd).
+# q and k are normed and rotated; the function owns masking (and any KV cache).
+AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+# The names of the projections LoRA can target, as PEFT spells them.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` plus an optional low-rank delta, gated per token.
+
+    ``y = x W^T (+ b) + gate * scaling * (x A^T) B^T``. ``lora_A`` (r, in) and ``lora_B``
+    (out, r) are non-persistent buffers: they follow ``.to()`` but stay out of
+    ``state_dict()``, so base checkpoints load and save unchanged. ``gate`` is a bool
+    tensor broadcastable to the output ((B, T, 1)); None applies the delta everywhere.
+    Rows whose gate is off are exactly the base output (``torch.where``, not a multiply,
+    so a non-finite delta cannot leak into them).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("lora_A", None, persistent=False)
+        self.register_buffer("lora_B", None, persistent=False)
+        self.lora_scaling = 0.0
+
+    def set_lora(self, a: Tensor, b: Tensor, scaling: float) -> None:
+        r = a.shape[0]
+        if a.shape != (r, self.in_features) or b.shape != (self.out_features, r):
+            raise ValueError(f"LoRA shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a "
+                             f"{self.in_features} -> {self.out_features} projection")
+        self.lora_A, self.lora_B, self.lora_scaling = a, b, float(scaling)
+
+    def clear_lora(self) -> None:
+        self.lora_A, self.lora_B, self.lora_scaling = None, None, 0.0
+
+    @property
+    def has_lora(self) -> bool:
+        return self.lora_A is not None
+
+    def forward(self, x: Tensor, gate: Tensor | None = None) -> Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora_A is None:
+            return y
+        delta = F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scaling
+        if gate is None:
+            return y + delta
+        return torch.where(gate, y + delta, y)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
+    """Inverse frequencies (head_dim/2,) fp32, on CPU, exactly as transformers builds them."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin (B, 1, T, hd) for integer positions (B, T): fp32 angles, cast to ``dtype``."""
+    freqs = positions.float()[..., None] * inv_freq  # (B, T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden, cfg.q_size, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden, cfg.kv_size, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden, cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor],
+                gate: Tensor | None) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x, gate).view(b, t, self.n_heads, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x, gate).view(b, t, self.n_kv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x, gate).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        y = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd), gate)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden, cfg.intermediate)
+        self.up_proj = Linear(cfg.hidden, cfg.intermediate)
+        self.down_proj = Linear(cfg.intermediate, cfg.hidden)
+
+    def forward(self, x: Tensor, gate: Tensor | None) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, gate)) * self.up_proj(x, gate), gate)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend, gate: Tensor | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, gate)
+        return x + self.mlp(self.post_attention_layernorm(x), gate)
+
+
+class Backbone(nn.Module):
+    """HF's ``Qwen3Model``: the ``model.*`` parameters."""
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
+
+
+class Qwen3Model(nn.Module):
+    """The causal LM (HF's ``Qwen3ForCausalLM`` / ``SDARForCausalLM``)."""
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("rope_inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        """alias -> source for ``cde.checkpoint.load_into``."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.cfg.tie_word_embeddings else {}
+
+    def init_random(self, seed: int, std: float = 0.02) -> Qwen3Model:
+        """Random weights (normal(0, std), norm weights at 1) from a seeded generator."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return self
+
+    def rebuild_rope(self, device: torch.device | str | None = None) -> None:
+        """Recompute the RoPE inverse frequencies (after building on the meta device)."""
+        self.rope_inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta).to(device)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .half() would round the fp32 RoPE frequencies: rebuild them, in fp32,
+        # on whatever device the buffer went to.
+        super()._apply(fn, recurse)
+        self.rebuild_rope(self.rope_inv_freq.device)
+        return self
+
+    def lora_modules(self) -> dict[str, Linear]:
+        """Every projection that can carry LoRA, by its HF module name."""
+        return {n: m for n, m in self.named_modules() if isinstance(m, Linear)}
+
+    # ---- the transformer ----------------------------------------------------------------
+    def hidden_states(self, tokens: Tensor, positions: Tensor, attend: AttendFn,
+                      lora_gate: Tensor | None = None) -> Tensor:
+        """Final hidden states (after ``model.norm``), (B, T, D).
+
+        positions (B, T): absolute positions for RoPE (masking is ``attend``'s business).
+        lora_gate (B, T) float/bool 0/1: apply the attached LoRA at the positions where it
+        is 1; None applies it everywhere (plain PEFT semantics); without an attached LoRA
+        it is ignored.
+        """
+        x = self.model.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
+        gate = None if lora_gate is None else (lora_gate != 0)[..., None]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v), gate)
+        return self.model.norm(x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """LM head on hidden states (..., D) -> (..., V), in the model dtype.
+        The logit at position i predicts token i + 1."""
+        return self.lm_head(h)
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None,
+                lora_gate: Tensor | None = None) -> Tensor:
+        """Dense causal forward over whole sequences: logits (B, T, V)."""
+        b, t = tokens.shape
+        if positions is None:
+            positions = torch.arange(t, device=tokens.device).expand(b, t)
+        return self.logits(self.hidden_states(tokens, positions, causal_attend, lora_gate))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights counted once
+
+
+def causal_attend(_layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """SDPA with a causal mask over sequence index (reference path, T_q == T_k)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def masked_attend(mask: Tensor) -> AttendFn:
+    """SDPA with an explicit bool mask (B, 1, T_q, T_k), True = may attend."""
+
+    def attend(_layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    return attend
