@@ -1,0 +1,75 @@
+from cde.rpc.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerSubmit(_message.Message):
+    __slots__ = ("request_id", "prompt_tokens", "committed_tokens", "next_step", "decode", "sampling", "steering", "stream_steps")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STEERING_FIELD_NUMBER: _ClassVar[int]
+    STREAM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    committed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    next_step: int
+    decode: _common_pb2.DecodeOptions
+    sampling: _common_pb2.SamplingOptions
+    steering: _common_pb2.PreparedSteering
+    stream_steps: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., committed_tokens: _Optional[_Iterable[int]] = ..., next_step: _Optional[int] = ..., decode: _Optional[_Union[_common_pb2.DecodeOptions, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., stream_steps: bool = ...) -> None: ...
+
+class WorkerEvent(_message.Message):
+    __slots__ = ("step", "block", "finished")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    step: _common_pb2.StepEvent
+    block: _common_pb2.BlockCommitted
+    finished: _common_pb2.Finished
+    def __init__(self, step: _Optional[_Union[_common_pb2.StepEvent, _Mapping]] = ..., block: _Optional[_Union[_common_pb2.BlockCommitted, _Mapping]] = ..., finished: _Optional[_Union[_common_pb2.Finished, _Mapping]] = ...) -> None: ...
+
+class WorkerStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("model", "preset", "dtype", "device", "kv_pages_total", "kv_pages_free", "running", "waiting", "steps", "compiles", "diffusion_block_size", "vocab_size", "n_known", "n_discovered", "max_context")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRESET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMPILES_FIELD_NUMBER: _ClassVar[int]
+    DIFFUSION_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    N_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    N_DISCOVERED_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    preset: str
+    dtype: str
+    device: str
+    kv_pages_total: int
+    kv_pages_free: int
+    running: int
+    waiting: int
+    steps: int
+    compiles: int
+    diffusion_block_size: int
+    vocab_size: int
+    n_known: int
+    n_discovered: int
+    max_context: int
+    def __init__(self, model: _Optional[str] = ..., preset: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., compiles: _Optional[int] = ..., diffusion_block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., n_known: _Optional[int] = ..., n_discovered: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
