@@ -35,7 +35,7 @@ from cde.steerling.reference_decoder import DecodeOptions, clean_output, termina
 from cde.steerling.sampling import banned_ids
 from cde.steerling.steering import PreparedSteering, resolve_alpha
 from worker_svc.engine.kv_cache import KVCache
-from worker_svc.engine.runner import BLOCK, DeviceTables, ForwardInputs, SamplerInputs, StepRunner
+from worker_svc.engine.runner import BLOCK, DeviceTables, ForwardInputs, SamplerInputs, StepRunner, unpack
 
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 PAGE_BUCKETS = (2, 4, 8, 16, 32, 64)
@@ -126,6 +126,7 @@ class EngineStats:
     forwards: int
     compiles: int
     preemptions: int
+    graphs: int = 0
 
 
 class Engine:
@@ -140,6 +141,9 @@ class Engine:
         self.tables = DeviceTables(max_slots + 1, self.cfg.n_embd, self.cfg.vocab_size, self.dtype, self.device)
         self.runner = StepRunner(model, self.kv, self.tables, banned_ids(self.cfg, tokenizer_vocab_size, self.device))
         self.max_prefill_rows = max_prefill_rows
+        self.want_records = True   # copy raw concept records to the host (off only in benchmarks)
+        self.k_known = min(self.cfg.topk_known, self.cfg.n_known)
+        self.k_disc = min(self.cfg.topk_discovered, self.cfg.n_discovered)
         self._free_slots = list(range(max_slots, 0, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -154,6 +158,8 @@ class Engine:
             self._compile()
         self._graphs = None
         if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError("cuda_graphs needs a CUDA device")
             from worker_svc.engine.graphs import GraphCache
             self._graphs = GraphCache(self)
 
@@ -201,7 +207,8 @@ class Engine:
     def stats(self) -> EngineStats:
         pool = self.kv.pool
         return EngineStats(pool.usable, pool.used, pool.free, len(self.running), len(self.waiting),
-                           self.steps, self.forwards, self.compiles, self.preemptions)
+                           self.steps, self.forwards, self.compiles, self.preemptions,
+                           self._graphs.captures if self._graphs is not None else 0)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
@@ -372,13 +379,17 @@ class Engine:
                             alpha.to(dev), inject.to(dev))
         smp = SamplerInputs(*(t.to(dev, non_blocking=True) for t in (decode, slot, rep, greedy, entropy, temperature,
                                                                        top_p, seed, stepc, k, threshold)))
-        if self._graphs is not None:
-            out = self._graphs.run(rb, pb, kmax, fwd, smp)
-        else:
-            logits, kidx, klog, didx, dlog = self._forward(fwd)
-            out = self._sample(kmax, fwd.tokens, fwd.positions, logits, kidx, klog, didx, dlog, smp)
+        packed = self._execute_device(rb, pb, kmax, fwd, smp)
         self.forwards += 1
-        return tuple(t.cpu() for t in out)
+        n_cols = packed.shape[1] if self.want_records else 4 * kmax
+        host = packed[:n, :n_cols].cpu()     # the step's one device-to-host copy
+        return unpack(host, kmax, self.k_known, self.k_disc, self.want_records)
+
+    def _execute_device(self, rb: int, pb: int, kmax: int, fwd: ForwardInputs, smp: SamplerInputs) -> Tensor:
+        if self._graphs is not None:
+            return self._graphs.run(rb, pb, kmax, fwd, smp)
+        logits, kidx, klog, didx, dlog = self._forward(fwd)
+        return self._sample(kmax, fwd.tokens, fwd.positions, logits, kidx, klog, didx, dlog, smp)
 
     def _apply(self, rows, results) -> None:
         pos_sel, tok_sel, valid, target, kidx, klog, didx, dlog = results
@@ -398,8 +409,9 @@ class Engine:
                 req.seq[p] = t
             req.committed += len(toks)
             req.events.append(StepEvent(req.request_id, req.step, positions, toks))
-            req.block_records.append(RawRecords(pos_sel[i, keep], tok_sel[i, keep], target[i, keep],
-                                                kidx[i, keep], klog[i, keep], didx[i, keep], dlog[i, keep]))
+            if kidx is not None:
+                req.block_records.append(RawRecords(pos_sel[i, keep], tok_sel[i, keep], target[i, keep],
+                                                    kidx[i, keep], klog[i, keep], didx[i, keep], dlog[i, keep]))
             req.step += 1
             eot = self.cfg.eot_id is not None and self.cfg.eot_id in toks
             start, end = req.block_range(b)

@@ -103,8 +103,8 @@ class StepRunner:
 
     # ---- sampler ----------------------------------------------------------------------
     def sample(self, kmax: int, tokens: Tensor, positions: Tensor, logits: Tensor, known_idx: Tensor,
-               known_logits: Tensor, disc_idx: Tensor, disc_logits: Tensor, s: SamplerInputs) -> tuple[Tensor, ...]:
-        """Pick and draw up to kmax positions per decode row; returns host-bound results.
+               known_logits: Tensor, disc_idx: Tensor, disc_logits: Tensor, s: SamplerInputs) -> Tensor:
+        """Pick and draw up to kmax positions per decode row; returns the packed host-bound results.
 
         Same arithmetic as the reference decoder, row by row: relu mask, repetition penalty,
         bans, confidence = max softmax prob over the masked positions, top-k positions (with
@@ -159,6 +159,25 @@ class StepRunner:
 
         flat = (rows * BLOCK + idx).reshape(-1)
         target = logits.view(r * BLOCK, v)[flat, tok_sel.reshape(-1)].float().view(r, kmax)
-        return (pos_sel, tok_sel, valid, target,
-                known_idx[flat].view(r, kmax, -1), known_logits[flat].view(r, kmax, -1),
-                disc_idx[flat].view(r, kmax, -1), disc_logits[flat].view(r, kmax, -1))
+        # One int32 tensor for the single device-to-host copy: ints as values, floats as bits.
+        as_int = lambda t: t.to(torch.int32).reshape(r, -1)          # noqa: E731
+        as_bits = lambda t: t.float().contiguous().view(torch.int32).reshape(r, -1)  # noqa: E731
+        return torch.cat([as_int(pos_sel), as_int(tok_sel), as_int(valid), as_bits(target),
+                          as_int(known_idx[flat]), as_bits(known_logits[flat]),
+                          as_int(disc_idx[flat]), as_bits(disc_logits[flat])], dim=1)
+
+
+def unpack(packed: Tensor, kmax: int, k_known: int, k_disc: int, with_records: bool) -> tuple[Tensor, ...]:
+    """Split the host copy of `StepRunner.sample`'s output back into typed tensors."""
+    r = packed.shape[0]
+    sizes = [kmax, kmax, kmax, kmax, kmax * k_known, kmax * k_known, kmax * k_disc, kmax * k_disc]
+    parts = list(packed.split(sizes, dim=1)) if with_records else list(packed[:, : 4 * kmax].split([kmax] * 4, 1))
+    pos, tok, valid = parts[0].long(), parts[1].long(), parts[2].bool()
+    target = parts[3].contiguous().view(torch.float32)
+    if not with_records:
+        return pos, tok, valid, target, None, None, None, None
+    kidx = parts[4].long().view(r, kmax, k_known)
+    klog = parts[5].contiguous().view(torch.float32).view(r, kmax, k_known)
+    didx = parts[6].long().view(r, kmax, k_disc)
+    dlog = parts[7].contiguous().view(torch.float32).view(r, kmax, k_disc)
+    return pos, tok, valid, target, kidx, klog, didx, dlog

@@ -1,0 +1,225 @@
+"""Benchmark the engine: tok/s, ms/forward, time to first/last block, GPU idle, vs the floor.
+
+    python -m worker_svc.bench --preset steerling-8b --out bench/results/engine-h200.json
+    python -m worker_svc.bench --preset tiny --concurrency 1,4 --new-tokens 64   # CPU smoke run
+
+steerling-8b uses random bf16 weights on the GPU (compiled + CUDA graphs); the floor
+(worker_svc.floor, same method as shared/perf/gpu_floor.py) is measured in the same run with
+the preset's own sizes. Each run submits C requests at once (prompt 128 random tokens, 256 new
+tokens, one token per step) and runs the engine until all finish. "on" = every request steered
+(fixed schedule, so injection stays on) and its raw concept records copied to the host; "off"
+= neither. Writes one JSON (fields of shared/perf/ANCHORS.md) after every run, so a run cut
+short still leaves its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cde.steerling.config import preset
+from cde.steerling.model import SteerlingModel
+from cde.steerling.reference_decoder import DecodeOptions
+from cde.steerling.sampling import SamplingParams
+from cde.steerling.steering import SteeringSpec, prepare
+from worker_svc.engine.engine import BlockEvent, Engine, FinishEvent
+
+
+def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> SteerlingModel:
+    cfg = preset(name)
+    if device == "cpu":
+        return SteerlingModel(cfg).init_random(seed, std=0.05).to(dtype).eval()
+    with torch.device("meta"):
+        model = SteerlingModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if name_.endswith("norm.weight") or ".ln_" in name_ or name_.endswith("ln_f.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    model.transformer.tok_emb.weight = model.transformer.lm_head.weight
+    model.rebuild_rope(device)
+    return model.eval()
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("CDE_COMMIT", "unknown")
+
+
+class GpuTimer:
+    """Accumulates GPU busy time per step with CUDA events (idle = wall - busy)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.pairs: list[tuple] = []
+
+    def wrap(self, fn):
+        if not self.enabled:
+            return fn
+
+        def timed(*a, **k):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            out = fn(*a, **k)
+            e.record()
+            self.pairs.append((s, e))
+            return out
+        return timed
+
+    def busy_s(self) -> float:
+        torch.cuda.synchronize()
+        return sum(s.elapsed_time(e) for s, e in self.pairs) / 1e3
+
+
+def run_once(engine: Engine, model, concurrency: int, prompt_len: int, new_tokens: int, on: bool,
+             seed: int, vocab: int, timer: GpuTimer) -> dict:
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(seed)
+    steering = None
+    if on:
+        spec = SteeringSpec(concept_ids=(1, 2), target=4.0, normalize=True, inject_layer=cfg.n_layers // 4,
+                            schedule="fixed")
+        steering = prepare(spec, model.known_head.embeddings(torch.tensor([1, 2], device=model.rope_cos.device)),
+                           model.transformer.lm_head.weight, cfg.n_layers)
+    engine.want_records = on
+    handles = []
+    for i in range(concurrency):
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+        opts = DecodeOptions(new_tokens, SamplingParams(), seed=seed * 1000 + i)
+        handles.append(engine.submit(f"bench-{seed}-{i}", prompt, opts, steering))
+    timer.pairs.clear()
+    f0, s0, c0 = engine.forwards, engine.steps, engine.compiles
+    peak_pages = 0
+    t0 = time.perf_counter()
+    first_block: dict[str, float] = {}
+    block_times: dict[str, list[float]] = {}
+    tokens = 0
+    while engine.has_work():
+        engine.step()
+        now = time.perf_counter()
+        peak_pages = max(peak_pages, engine.stats().pages_used)
+        for h in handles:
+            for ev in engine.drain(h):
+                if isinstance(ev, BlockEvent):
+                    first_block.setdefault(h.request_id, now - t0)
+                    block_times.setdefault(h.request_id, []).append(now - t0)
+                elif isinstance(ev, FinishEvent):
+                    tokens += ev.completion_tokens if ev.reason != "stop" else len(ev.output_tokens)
+    wall = time.perf_counter() - t0
+    generated = sum(len([t for t in h.seq[len(h.prompt):] if t != cfg.mask_id]) for h in handles)
+    gaps = [b - a for ts in block_times.values() for a, b in zip(ts, ts[1:])]
+    forwards = engine.forwards - f0
+    busy = timer.busy_s() if timer.enabled else None
+    return {
+        "concurrency": concurrency, "attribution": on, "steering": on, "stride": None,
+        "prompt_tokens": prompt_len, "new_tokens": new_tokens,
+        "tok_per_s": generated / wall, "generated_tokens": generated, "wall_s": wall,
+        "forwards": forwards, "ms_per_forward": wall / max(forwards, 1) * 1e3,
+        "gpu_ms_per_forward": (busy / max(forwards, 1) * 1e3) if busy is not None else None,
+        "ttfb_s": statistics.median(first_block.values()) if first_block else None,
+        "inter_block_s": statistics.median(gaps) if gaps else None,
+        "ttlb_s": wall,
+        "gpu_idle_frac": (max(0.0, 1 - busy / wall)) if busy is not None else None,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+        "peak_pages_used": peak_pages, "pages_total": engine.kv.pool.usable,
+        "recompiles": engine.compiles - c0, "steps": engine.steps - s0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="steerling-8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    ap.add_argument("--off-concurrency", default="1,16,32", help="concurrencies also run with attribution+steering off")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--long-run", default="64x1024", help="CxN run for memory (empty to skip)")
+    ap.add_argument("--max-pages", type=int, default=4096)
+    ap.add_argument("--no-floor", action="store_true")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    cuda = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = preset(args.preset)
+    concs = [int(c) for c in args.concurrency.split(",") if c]
+    offs = [int(c) for c in args.off_concurrency.split(",") if c]
+    result = {
+        "commit": git_commit(), "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "preset": args.preset, "decoder": "block", "command": " ".join([sys.executable, "-m", "worker_svc.bench"] + sys.argv[1:]),
+        "torch": torch.__version__, "dtype": str(dtype), "tokens_per_step": 1,
+        "floor": None, "reference": None, "runs": [],
+    }
+    out = Path(args.out) if args.out else None
+
+    def save():
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+
+    if cuda and not args.no_floor:
+        from worker_svc.floor import measure_floor
+        t = time.perf_counter()
+        floor = measure_floor(cfg.n_layers, cfg.n_embd, cfg.n_head, cfg.n_kv_heads, cfg.intermediate_size,
+                              cfg.vocab_size, sorted(set(concs + offs)))
+        result["floor"] = {"ms_per_forward": {str(b): round(v, 3) for b, v in floor.items()}, "query_tokens": 64,
+                           "context": 512}
+        print(f"floor ({time.perf_counter() - t:.0f} s): {result['floor']['ms_per_forward']}", flush=True)
+        save()
+
+    t = time.perf_counter()
+    model = build_model(args.preset, args.device, dtype)
+    engine = Engine(model, tokenizer_vocab_size=None, max_slots=max(concs + [64]), n_pages=args.max_pages,
+                    compile=cuda and not args.no_compile, cuda_graphs=cuda)
+    timer = GpuTimer(cuda)
+    engine._execute_device = timer.wrap(engine._execute_device)
+    print(f"model + engine ready in {time.perf_counter() - t:.0f} s; pages {engine.kv.pool.usable}", flush=True)
+    vocab = min(cfg.vocab_size, 100_000)
+
+    # warm-up: compile and capture the graphs every measured run will use
+    t = time.perf_counter()
+    for c in sorted(set(concs + offs)):
+        run_once(engine, model, c, args.prompt_tokens, 2, True, 999, vocab, timer)
+    result["warmup_s"] = time.perf_counter() - t
+    result["compiles_after_warmup"] = engine.compiles
+    print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}, graphs {engine.stats().graphs}", flush=True)
+
+    plan = [(c, True, args.new_tokens) for c in concs] + [(c, False, args.new_tokens) for c in offs]
+    if args.long_run:
+        c, n = (int(x) for x in args.long_run.split("x"))
+        plan.append((c, True, n))
+    for i, (c, on, n) in enumerate(plan):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        r = run_once(engine, model, c, args.prompt_tokens, n, on, i + 1, vocab, timer)
+        r["graphs"] = engine.stats().graphs
+        if result["floor"] and str(c) in result["floor"]["ms_per_forward"]:
+            r["floor_ms_per_forward"] = result["floor"]["ms_per_forward"][str(c)]
+            r["ratio_to_floor"] = r["ms_per_forward"] / r["floor_ms_per_forward"]
+        result["runs"].append(r)
+        save()
+        print(f"C={c:3d} {'on ' if on else 'off'} new={n}: {r['tok_per_s']:8.1f} tok/s  {r['ms_per_forward']:7.2f} ms/fwd"
+              f"  gpu {r['gpu_ms_per_forward'] or 0:7.2f} ms  idle {r['gpu_idle_frac'] or 0:5.3f}"
+              f"  ratio {r.get('ratio_to_floor', 0):5.3f}  ttfb {r['ttfb_s'] or 0:6.3f}s  inter-block {r['inter_block_s'] or 0:6.3f}s"
+              f"  pages {r['peak_pages_used']}  mem {r['peak_mem_gb'] or 0:6.1f} GB  recompiles {r['recompiles']}", flush=True)
+    save()
+
+
+if __name__ == "__main__":
+    main()
