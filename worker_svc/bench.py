@@ -140,6 +140,27 @@ def run_once(engine: Engine, model, concurrency: int, prompt_len: int, new_token
     }
 
 
+def merge_reference(out: Path, log: Path) -> None:
+    """Add the public reference's tok/s (measured right after the engine run) and our speedup."""
+    import re
+
+    result = json.loads(out.read_text())
+    ref: dict[str, float] = {}
+    for line in log.read_text().splitlines():
+        m = re.search(r"bsz=(\d+) attribution_cb=(\w+).*?([\d.]+) tok/s", line)
+        if m:
+            key = m.group(1) + ("_attribution_cb" if m.group(2) == "True" else "")
+            ref[key] = float(m.group(3))
+    result["reference"] = {"tok_per_s": ref, "script": "shared/perf/anchor_steerling_ref.py", "new_tokens": 128}
+    ours = {r["concurrency"]: r["tok_per_s"] for r in result["runs"] if r["attribution"] and r["new_tokens"] == 256}
+    result["speedup_vs_reference"] = {
+        str(c): ours[c] / ref[str(c)] for c in (1, 4) if c in ours and str(c) in ref}
+    if 1 in ours and "1_attribution_cb" in ref:
+        result["speedup_vs_reference"]["1_attribution_cb"] = ours[1] / ref["1_attribution_cb"]
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"reference": result["reference"], "speedup": result["speedup_vs_reference"]}, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="steerling-8b")
@@ -153,7 +174,12 @@ def main() -> None:
     ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--merge-reference", default=None, metavar="LOG",
+                    help="merge shared/perf/anchor_steerling_ref.py output into --out and exit")
     args = ap.parse_args()
+    if args.merge_reference:
+        merge_reference(Path(args.out), Path(args.merge_reference))
+        return
 
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -185,17 +211,37 @@ def main() -> None:
 
     t = time.perf_counter()
     model = build_model(args.preset, args.device, dtype)
-    engine = Engine(model, tokenizer_vocab_size=None, max_slots=max(concs + [64]), n_pages=args.max_pages,
-                    compile=cuda and not args.no_compile, cuda_graphs=cuda)
-    timer = GpuTimer(cuda)
-    engine._execute_device = timer.wrap(engine._execute_device)
-    print(f"model + engine ready in {time.perf_counter() - t:.0f} s; pages {engine.kv.pool.usable}", flush=True)
     vocab = min(cfg.vocab_size, 100_000)
+    timer = GpuTimer(cuda)
+
+    def make_engine(compile_: bool) -> Engine:
+        eng = Engine(model, tokenizer_vocab_size=None, max_slots=max(concs + [64]), n_pages=args.max_pages,
+                     compile=compile_, cuda_graphs=cuda)
+        eng._execute_device = timer.wrap(eng._execute_device)
+        return eng
+
+    compiled = cuda and not args.no_compile
+    engine = make_engine(compiled)
+    print(f"model + engine ready in {time.perf_counter() - t:.0f} s; pages {engine.kv.pool.usable}", flush=True)
 
     # warm-up: compile and capture the graphs every measured run will use
     t = time.perf_counter()
-    for c in sorted(set(concs + offs)):
-        run_once(engine, model, c, args.prompt_tokens, 2, True, 999, vocab, timer)
+    try:
+        for c in sorted(set(concs + offs)):
+            run_once(engine, model, c, args.prompt_tokens, 2, True, 999, vocab, timer)
+            print(f"  warm C={c} at {time.perf_counter() - t:.0f} s, compiles {engine.compiles}, "
+                  f"graphs {engine.stats().graphs}", flush=True)
+    except Exception as exc:  # keep measuring: eager + CUDA graphs
+        import traceback
+        traceback.print_exc()
+        result["compile_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        compiled = False
+        del engine
+        torch.cuda.empty_cache()
+        engine = make_engine(False)
+        for c in sorted(set(concs + offs)):
+            run_once(engine, model, c, args.prompt_tokens, 2, True, 999, vocab, timer)
+    result["compiled"] = compiled
     result["warmup_s"] = time.perf_counter() - t
     result["compiles_after_warmup"] = engine.compiles
     print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}, graphs {engine.stats().graphs}", flush=True)
