@@ -2,11 +2,14 @@
 
 Both heads read the final hidden state h (after ln_f). Each scores its concepts, keeps the
 top-k, and mixes the chosen concept embeddings weighted by sigmoid(logit). Memory bound:
-scores are computed `concept_chunk` concepts at a time and `TOKEN_CHUNK` tokens at a time,
-so a pass allocates at most TOKEN_CHUNK x concept_chunk fp32 scores (8 MiB at the 8B
-defaults) plus O(tokens x k) for the running top-k; the (tokens x 101,200) logit matrix is
-never formed. Embeddings of the selected concepts are mixed with `embedding_bag`, which
-does not materialize (tokens x k x D) either.
+tokens are scored `TOKEN_CHUNK` (512) at a time against as many concepts as fit in
+`SCORE_BUDGET` fp32 scores (64 Mi elements = 256 MiB; at most `concept_chunk` fewer never),
+so one pass holds at most 256 MiB of scores plus O(tokens x k) for the running top-k,
+whatever the input length: the (tokens x 101,200) logit matrix of a long input is never
+formed. At 512 tokens the whole 101,200-concept head fits in one pass, so a decode step
+does one top-k per head instead of dozens of chunk merges (much faster on a GPU).
+Embeddings of the selected concepts are mixed with `embedding_bag`, which does not
+materialize (tokens x k x D) either.
 
 Parameter names and ranking rules follow the public `steerling` package exactly: the known
 head ranks by sigmoid of the clamped logit, the discovered head by the clamped logit.
@@ -21,6 +24,12 @@ from torch import Tensor
 
 LOGIT_CLAMP = 15.0
 TOKEN_CHUNK = 512
+SCORE_BUDGET = 1 << 26
+
+
+def concept_chunk_for(rows: int, configured: int) -> int:
+    """Concepts per scoring pass for `rows` tokens: as many as the score budget allows."""
+    return max(configured, SCORE_BUDGET // max(rows, 1))
 
 
 def streaming_topk(
@@ -77,7 +86,8 @@ class KnownHead(nn.Module):
 
     def topk_of(self, h: Tensor) -> tuple[Tensor, Tensor]:
         w = self.concept_predictor.weight[: self.n_concepts]
-        return _by_token_chunks(lambda x: streaming_topk(x, w, self.topk, self.chunk, True), h)
+        return _by_token_chunks(
+            lambda x: streaming_topk(x, w, self.topk, concept_chunk_for(x.shape[0], self.chunk), True), h)
 
     def mix(self, idx: Tensor, weights: Tensor) -> Tensor:
         """sum_i weights_i * E[idx_i] per row, without forming (N, k, D)."""
@@ -108,7 +118,7 @@ class DiscoveredHead(nn.Module):
 
         def one(x: Tensor) -> tuple[Tensor, Tensor]:
             compressed = (x @ down.t()).float()
-            return streaming_topk(compressed, up, self.topk, self.chunk, False)
+            return streaming_topk(compressed, up, self.topk, concept_chunk_for(x.shape[0], self.chunk), False)
 
         return _by_token_chunks(one, h)
 
