@@ -27,9 +27,12 @@ TOKEN_CHUNK = 512
 SCORE_BUDGET = 1 << 26
 
 
-def concept_chunk_for(rows: int, configured: int) -> int:
-    """Concepts per scoring pass for `rows` tokens: as many as the score budget allows."""
-    return max(configured, SCORE_BUDGET // max(rows, 1))
+def concept_chunk(configured: int) -> int:
+    """Concepts per scoring pass: as many as the budget allows for a full token chunk.
+
+    A constant (not a function of the row count), so a compiled step does not specialize on it.
+    """
+    return max(configured, SCORE_BUDGET // TOKEN_CHUNK)
 
 
 def streaming_topk(
@@ -63,12 +66,12 @@ def streaming_topk(
     return top_idx, top_logit
 
 
-def _by_token_chunks(fn, h: Tensor, *rest: Tensor):
-    """Apply fn to row chunks of h (and matching rows of `rest`), concatenating results."""
-    if h.shape[0] <= TOKEN_CHUNK:
-        return fn(h, *rest)
-    outs = [fn(h[s:s + TOKEN_CHUNK], *(r[s:s + TOKEN_CHUNK] for r in rest))
-            for s in range(0, h.shape[0], TOKEN_CHUNK)]
+def _by_token_chunks(fn, h: Tensor, token_chunk: int | None):
+    """Apply fn to row chunks of h, concatenating results. token_chunk=None: one pass (the
+    caller bounds the rows, as the engine does per step; keeps compiled shapes generic)."""
+    if token_chunk is None or h.shape[0] <= token_chunk:
+        return fn(h)
+    outs = [fn(h[s:s + token_chunk]) for s in range(0, h.shape[0], token_chunk)]
     return tuple(torch.cat(parts, dim=0) for parts in zip(*outs))
 
 
@@ -84,10 +87,10 @@ class KnownHead(nn.Module):
     def embeddings(self, ids: Tensor) -> Tensor:
         return self.concept_embedding.weight[ids]
 
-    def topk_of(self, h: Tensor) -> tuple[Tensor, Tensor]:
+    def topk_of(self, h: Tensor, token_chunk: int | None = TOKEN_CHUNK) -> tuple[Tensor, Tensor]:
         w = self.concept_predictor.weight[: self.n_concepts]
-        return _by_token_chunks(
-            lambda x: streaming_topk(x, w, self.topk, concept_chunk_for(x.shape[0], self.chunk), True), h)
+        return _by_token_chunks(lambda x: streaming_topk(x, w, self.topk, concept_chunk(self.chunk), True),
+                                h, token_chunk)
 
     def mix(self, idx: Tensor, weights: Tensor) -> Tensor:
         """sum_i weights_i * E[idx_i] per row, without forming (N, k, D)."""
@@ -112,15 +115,15 @@ class DiscoveredHead(nn.Module):
     def embeddings(self, ids: Tensor) -> Tensor:
         return self.embedding_basis(self.embedding_coef.weight[ids])
 
-    def topk_of(self, h: Tensor) -> tuple[Tensor, Tensor]:
+    def topk_of(self, h: Tensor, token_chunk: int | None = TOKEN_CHUNK) -> tuple[Tensor, Tensor]:
         up = self.predictor_up.weight[: self.n_concepts]
         down = self.predictor_down.weight
 
         def one(x: Tensor) -> tuple[Tensor, Tensor]:
             compressed = (x @ down.t()).float()
-            return streaming_topk(compressed, up, self.topk, concept_chunk_for(x.shape[0], self.chunk), False)
+            return streaming_topk(compressed, up, self.topk, concept_chunk(self.chunk), False)
 
-        return _by_token_chunks(one, h)
+        return _by_token_chunks(one, h, token_chunk)
 
     def features(self, idx: Tensor, logits: Tensor) -> Tensor:
         table = self.embedding_coef.weight

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from cde.steerling.concept_heads import DiscoveredHead, KnownHead
+from cde.steerling.concept_heads import TOKEN_CHUNK, DiscoveredHead, KnownHead
 from cde.steerling.config import SteerlingConfig
 
 # attend(layer_index, q (B,H,T,hd), k (B,KV,T,hd), v (B,KV,T,hd)) -> (B,H,T,hd)
@@ -208,16 +208,18 @@ class SteerlingModel(nn.Module):
 
     # ---- the concept bottleneck and the LM head -------------------------------------
     def heads(self, h: Tensor, intervention: KnownIntervention | None = None,
-              intervened_rows: Tensor | None = None) -> HeadsOutput:
+              intervened_rows: Tensor | None = None, token_chunk: int | None = TOKEN_CHUNK) -> HeadsOutput:
         """Concept heads + LM head on rows h (N, D).
 
         Without interventions logits = lm_head(known + discovered + eps) with
         eps = h - (known + discovered), exactly as the reference composes them. With an
         intervention (ids/values given per row, `intervened_rows` (N,) bool marking rows whose
         request intervenes) those rows use the overridden known weights and no eps.
+        token_chunk bounds the rows scored per pass (None: all at once; the engine bounds its
+        step's rows itself and needs shapes that do not depend on the row count).
         """
-        k_idx, k_logits = self.known_head.topk_of(h)
-        d_idx, d_logits = self.unknown_head.topk_of(h)
+        k_idx, k_logits = self.known_head.topk_of(h, token_chunk)
+        d_idx, d_logits = self.unknown_head.topk_of(h, token_chunk)
         unk = self.unknown_head.features(d_idx, d_logits).to(h.dtype)
         if intervention is None:
             known = self.known_head.features(k_idx, k_logits).to(h.dtype)

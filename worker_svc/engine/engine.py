@@ -173,6 +173,8 @@ class Engine:
         # The forward is compiled (fuses norms, RoPE, clamps, SwiGLU). The sampler stays eager:
         # it is a few large row-wise kernels, and inductor 2.11 fails on its float64 cumsum with
         # dynamic shapes; under CUDA graphs its launches are replayed anyway.
+        import torch.fx.experimental._config as fx_config
+        fx_config.use_duck_shape = False   # equal sizes (pages == kv heads) must not share a symbol
         self._forward = torch.compile(self.runner.forward, backend=counting_backend, dynamic=True)
 
     # ---- public API -----------------------------------------------------------------------
@@ -211,6 +213,23 @@ class Engine:
         return EngineStats(pool.usable, pool.used, pool.free, len(self.running), len(self.waiting),
                            self.steps, self.forwards, self.compiles, self.preemptions,
                            self._graphs.captures if self._graphs is not None else 0)
+
+    def warmup(self, max_rows: int = 4, max_new_tokens: int = 70) -> None:
+        """Compile (and, on GPU, capture) the step for the shapes traffic will use, before SERVING.
+
+        Runs throwaway requests covering one row and several rows (PyTorch specializes size
+        1), prefill + decode + commit rows, several page counts and every k bucket.
+        """
+        for n_rows in sorted({1, min(2, max_rows), max_rows}):
+            for k in K_BUCKETS:
+                if k > self.cfg.diff_block_size:
+                    continue
+                ids = [f"__warmup_{n_rows}_{k}_{i}" for i in range(n_rows)]
+                for i, rid in enumerate(ids):
+                    self.submit(rid, [1] * (64 * (i % 2) + 3), DecodeOptions(min(max_new_tokens, 128), tokens_per_step=k))
+                self.run_until_idle()
+                for rid in ids:
+                    self.requests.pop(rid, None)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
