@@ -179,7 +179,10 @@ class Engine:
 
     # ---- public API -----------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], options: DecodeOptions,
-               steering: PreparedSteering | None = None) -> Request:
+               steering: PreparedSteering | None = None, committed: list[int] | None = None,
+               next_step: int = 0) -> Request:
+        """Queue a request. `committed` (whole blocks already generated elsewhere, e.g. by a
+        worker that died) and `next_step` resume it exactly where it stopped."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         gen_end = len(prompt) + options.max_new_tokens
@@ -187,12 +190,17 @@ class Engine:
             raise ValueError(f"prompt + max_new_tokens = {gen_end} exceeds the context of {self.cfg.block_size}")
         if options.tokens_per_step > K_BUCKETS[-1]:
             raise ValueError(f"tokens_per_step must be <= {K_BUCKETS[-1]}")
+        committed = list(committed or [])
+        if len(committed) >= options.max_new_tokens or (len(committed) and (len(prompt) + len(committed)) % BLOCK):
+            raise ValueError("committed tokens must end on a block boundary before max_new_tokens")
         with self._lock:
             if request_id in self.requests:
                 raise ValueError(f"duplicate request id {request_id!r}")
-            req = Request(request_id, list(prompt), options, steering,
-                          list(prompt) + [self.cfg.mask_id] * options.max_new_tokens, gen_end, next(self._arrivals))
-            req.active = req.first_block
+            seq = list(prompt) + committed + [self.cfg.mask_id] * (options.max_new_tokens - len(committed))
+            req = Request(request_id, list(prompt), options, steering, seq, gen_end, next(self._arrivals))
+            req.active = (len(prompt) + len(committed)) // BLOCK
+            req.committed = len(committed)
+            req.step = next_step
             self.requests[request_id] = req
             self.waiting.append(req)
         return req

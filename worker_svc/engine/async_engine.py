@@ -1,0 +1,93 @@
+"""asyncio front of the engine: a background thread runs steps; coroutines get event streams.
+
+The step loop runs in one thread (PyTorch releases the GIL inside kernels); each request's
+events are handed to its asyncio queue with `call_soon_threadsafe`. Closing a stream early
+(client gone, deadline) cancels the request, and the engine frees its pages at the next
+step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+from cde.steerling.reference_decoder import DecodeOptions
+from cde.steerling.steering import PreparedSteering
+from worker_svc.engine.engine import Engine, EngineStats, Event, FinishEvent, Request
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._wake = threading.Condition()
+        self._stop = False
+        self._streams: dict[str, tuple[Request, asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        self._thread.join(timeout=10)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def cancel(self, request_id: str) -> bool:
+        ok = self.engine.cancel(request_id)
+        with self._wake:
+            self._wake.notify_all()
+        return ok
+
+    async def generate(self, request_id: str, prompt: list[int], options: DecodeOptions,
+                       steering: PreparedSteering | None = None, committed: list[int] | None = None,
+                       next_step: int = 0) -> AsyncIterator[Event]:
+        """Submit and stream the request's events, ending with its FinishEvent."""
+        if self.error is not None:
+            raise RuntimeError(f"engine failed: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        req = self.engine.submit(request_id, prompt, options, steering, committed, next_step)
+        self._streams[request_id] = (req, queue, loop)
+        with self._wake:
+            self._wake.notify_all()
+        finished = False
+        try:
+            while True:
+                event = await queue.get()
+                if isinstance(event, BaseException):
+                    raise RuntimeError(f"engine failed: {event!r}")
+                yield event
+                if isinstance(event, FinishEvent):
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.cancel(request_id)
+
+    # ---- the step thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._stop and not self.engine.has_work():
+                        self._wake.wait(timeout=0.5)
+                    if self._stop:
+                        return
+                self.engine.step()
+                self._dispatch()
+        except BaseException as exc:  # surface to every open stream instead of hanging them
+            self.error = exc
+            for _, queue, loop in list(self._streams.values()):
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    def _dispatch(self) -> None:
+        for request_id, (req, queue, loop) in list(self._streams.items()):
+            while req.events:
+                loop.call_soon_threadsafe(queue.put_nowait, req.events.popleft())
