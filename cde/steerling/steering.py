@@ -65,9 +65,16 @@ class PreparedSteering:
     relu_mask: Tensor | None     # (V,) fp32 to subtract from logits, or None
 
 
-def steering_direction(concept_embeddings: Tensor) -> Tensor:
-    """L2-normalized sum of (K, D) embeddings, fp32."""
-    vec = concept_embeddings.float().sum(dim=0)
+def steering_direction(concept_embeddings: Tensor, weights: Tensor | None = None) -> Tensor:
+    """L2-normalized (weighted) sum of (K, D) embeddings, fp32.
+
+    weights: (K,) per-concept strengths (a request's SteeringConcept.strength); None means
+    all 1 and skips the multiply, so unweighted callers get exactly the unweighted sum.
+    """
+    emb = concept_embeddings.float()
+    if weights is not None:
+        emb = emb * weights.to(device=emb.device, dtype=torch.float32).unsqueeze(-1)
+    vec = emb.sum(dim=0)
     return vec / (vec.norm(p=2) + 1e-12)
 
 
@@ -101,16 +108,18 @@ def position_gate(tokens: Tensor, mask_id: int) -> Tensor:
 
 
 def prepare(spec: SteeringSpec, known_embeddings: Tensor, lm_weight: Tensor, n_layers: int,
-            relu_embeddings: Tensor | None = None, dtype: torch.dtype | None = None) -> PreparedSteering:
+            relu_embeddings: Tensor | None = None, dtype: torch.dtype | None = None,
+            weights: Tensor | None = None) -> PreparedSteering:
     """Turn a spec into the per-request tensors.
 
     known_embeddings: (K, D) rows of `known_head.concept_embedding` for spec.concept_ids, in
     order; relu_embeddings: rows for spec.relu_mask's keys (defaults to the first row when the
-    mask names the focal concept only, as the presets do).
+    mask names the focal concept only, as the presets do); weights: (K,) per-concept strengths
+    of the direction sum (None = all 1).
     """
     if not spec.concept_ids:
         raise ValueError("steering needs at least one concept")
-    direction = steering_direction(known_embeddings)
+    direction = steering_direction(known_embeddings, weights)
     alpha = base_alpha(spec.target, direction, lm_weight, spec.normalize)
     layer = spec.inject_layer if spec.inject_layer is not None else n_layers // 2
     mask = None

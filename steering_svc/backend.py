@@ -1,0 +1,213 @@
+"""The steering service's model-side state and rules, free of gRPC plumbing.
+
+`SteeringBackend` holds the concept catalog and exactly two checkpoint tensors, both
+memory-mapped views (`CheckpointReader.get` is zero-copy on CPU): the known concepts'
+embeddings (a request touches only its own rows) and the tied token embedding = LM head
+(alpha normalization and the suppress relu mask need all of it). The transformer is never
+loaded, so the service starts in seconds and stays small even for Steerling-8B.
+
+Every public method takes and returns cde.v1 messages and raises `RequestError` with the
+gRPC status the caller must answer; the servicer only translates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from pathlib import Path
+
+import grpc
+import torch
+
+from cde.checkpoint import CheckpointError, CheckpointReader
+from cde.rpc import floats_to_bytes
+from cde.rpc.v1 import common_pb2
+from cde.steerling.catalog import Concept, ConceptCatalog
+from cde.steerling.config import SteerlingConfig
+from cde.steerling.steering import (AMPLIFY_INJECT_LAYER, AMPLIFY_TARGET, DEFAULT_CUTOFF, SUPPRESS_TARGET,
+                                    SteeringSpec, prepare)
+
+KNOWN_EMBEDDING = "known_head.concept_embedding.weight"
+TOKEN_EMBEDDING = "transformer.tok_emb.weight"  # tied with the LM head
+
+MAX_CONCEPTS = 16
+MAX_STRENGTH = 10.0
+MAX_ABS_TARGET = 50.0
+MAX_CUTOFF_TOKENS = 4096
+MAX_QUERY_CHARS = 200
+DEFAULT_SEARCH_LIMIT = 20
+MAX_SEARCH_LIMIT = 200  # larger limits are clamped: a search answer is for people, not bulk export
+
+_SCHEDULES = {"fixed": common_pb2.STEERING_SCHEDULE_FIXED, "hard_cutoff": common_pb2.STEERING_SCHEDULE_HARD_CUTOFF}
+_SCHEDULE_OVERRIDES = {common_pb2.STEERING_SCHEDULE_FIXED: "fixed",
+                       common_pb2.STEERING_SCHEDULE_HARD_CUTOFF: "hard_cutoff"}
+
+
+class RequestError(Exception):
+    """A request the service refuses, with the gRPC status code that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _not_found(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.NOT_FOUND, message)
+
+
+def concept_message(c: Concept) -> common_pb2.Concept:
+    msg = common_pb2.Concept(id=c.concept_id, name=c.name, head=c.head, description=c.description,
+                             group_name=c.group_name, steerable=c.steerable)
+    if c.group_id is not None:
+        msg.group_id = c.group_id
+    return msg
+
+
+class SteeringBackend:
+    """Catalog + memory-mapped steering tensors of one model directory."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir).resolve()
+        self.model_name = model_dir.name
+        self.cfg = SteerlingConfig.load(model_dir)
+        self.catalog = ConceptCatalog.load(model_dir, self.cfg.n_known, self.cfg.n_discovered)
+        self._reader = CheckpointReader(model_dir)
+        self.known_embedding = self._reader.get(KNOWN_EMBEDDING)  # (n_known_padded, D) mmap view
+        self.lm_weight = self._reader.get(TOKEN_EMBEDDING)        # (V, D) mmap view
+        d = self.cfg.n_embd
+        for name, t, rows in ((KNOWN_EMBEDDING, self.known_embedding, self.cfg.n_known_padded),
+                              (TOKEN_EMBEDDING, self.lm_weight, self.cfg.vocab_size)):
+            if tuple(t.shape) != (rows, d):
+                raise CheckpointError(f"{name}: expected shape {(rows, d)} from config.json, got {tuple(t.shape)}")
+        # by_name() knows only known concepts; discovered names are indexed here so that naming one
+        # is INVALID_ARGUMENT ("not steerable") rather than a misleading NOT_FOUND.
+        self._discovered_by_name: dict[str, Concept] = {}
+        for j in range(self.cfg.n_discovered):
+            c = self.catalog.get(self.cfg.n_known + j)
+            if c is not None:
+                self._discovered_by_name.setdefault(c.name.strip().lower(), c)
+        # Building reads the whole LM head (and, for a bf16 checkpoint, makes an fp32 temporary of
+        # it): one build at a time bounds that memory; the LRU cache in front makes repeats free.
+        self._build_lock = threading.Lock()
+
+    # ---- model selection ----------------------------------------------------------------
+    def check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise _not_found(f"unknown model {model!r}; this service serves {self.model_name!r}")
+
+    # ---- catalog ------------------------------------------------------------------------
+    def search(self, request: common_pb2.SearchConceptsRequest) -> common_pb2.SearchConceptsResponse:
+        self.check_model(request.model)
+        query = request.query.strip()
+        if not query:
+            raise _invalid("query must not be empty")
+        if len(request.query) > MAX_QUERY_CHARS:
+            raise _invalid(f"query is {len(request.query)} characters; at most {MAX_QUERY_CHARS}")
+        limit = min(request.limit or DEFAULT_SEARCH_LIMIT, MAX_SEARCH_LIMIT)
+        hits = self.catalog.search(query, limit, request.known_only)
+        return common_pb2.SearchConceptsResponse(concepts=[concept_message(c) for c in hits])
+
+    def _lookup(self, which: str | None, concept_id: int, name: str) -> Concept:
+        if which == "concept_id":
+            c = self.catalog.get(concept_id)
+            if c is None:
+                raise _not_found(f"no concept with id {concept_id} in {self.model_name} "
+                                 f"(ids 0..{self.cfg.n_known + self.cfg.n_discovered - 1})")
+            return c
+        if which == "name":
+            c = self.catalog.by_name(name) or self._discovered_by_name.get(name.strip().lower())
+            if c is None:
+                raise _not_found(f"no concept named {name!r} in {self.model_name}")
+            return c
+        raise _invalid("a concept needs a concept_id or a name")
+
+    def get_concept(self, request) -> common_pb2.Concept:
+        self.check_model(request.model)
+        return concept_message(self._lookup(request.WhichOneof("ref"), request.concept_id, request.name))
+
+    # ---- steering -----------------------------------------------------------------------
+    def resolve(self, steering: common_pb2.SteeringRequest) -> tuple[list[int], list[float]]:
+        """Known-concept ids and their direction weights, in request order; raises RequestError."""
+        if not steering.concepts:
+            raise _invalid("steering needs at least one concept")
+        if len(steering.concepts) > MAX_CONCEPTS:
+            raise _invalid(f"{len(steering.concepts)} concepts; at most {MAX_CONCEPTS}")
+        ids: list[int] = []
+        weights: list[float] = []
+        for i, sc in enumerate(steering.concepts):
+            c = self._lookup(sc.WhichOneof("ref"), sc.concept_id, sc.name)
+            asked = repr(sc.name) if sc.WhichOneof("ref") == "name" else f"id {sc.concept_id}"
+            if c.head != "known":
+                raise _invalid(f"concept {asked} is a discovered concept; only known concepts can steer")
+            if not c.steerable:
+                raise _invalid(f"concept {asked} ({c.name}) is not steerable")
+            if c.concept_id in ids:
+                raise _invalid(f"concept {asked} ({c.name}) is given twice")
+            if not math.isfinite(sc.strength) or not 0.0 <= sc.strength <= MAX_STRENGTH:
+                raise _invalid(f"concept {asked}: strength {sc.strength} is outside [0, {MAX_STRENGTH:g}]")
+            ids.append(c.concept_id)
+            weights.append(sc.strength or 1.0)
+        return ids, weights
+
+    def spec(self, steering: common_pb2.SteeringRequest) -> tuple[SteeringSpec, list[float]]:
+        """The SteeringSpec a request means, with one direction weight per spec concept."""
+        ids, weights = self.resolve(steering)
+        target = None
+        if steering.HasField("target"):
+            target = steering.target
+            if not math.isfinite(target) or abs(target) > MAX_ABS_TARGET:
+                raise _invalid(f"target {target} is outside [-{MAX_ABS_TARGET:g}, {MAX_ABS_TARGET:g}]")
+        layer = None
+        if steering.HasField("inject_layer"):
+            layer = steering.inject_layer
+            if not 1 <= layer <= self.cfg.n_layers:
+                raise _invalid(f"inject_layer {layer} is outside 1..{self.cfg.n_layers}")
+        cutoff = DEFAULT_CUTOFF
+        if steering.HasField("cutoff_tokens"):
+            cutoff = steering.cutoff_tokens
+            if not 1 <= cutoff <= MAX_CUTOFF_TOKENS:
+                raise _invalid(f"cutoff_tokens {cutoff} is outside 1..{MAX_CUTOFF_TOKENS}")
+        if steering.schedule != common_pb2.STEERING_SCHEDULE_DEFAULT and steering.schedule not in _SCHEDULE_OVERRIDES:
+            raise _invalid(f"unknown steering schedule {steering.schedule}")
+
+        if steering.mode == common_pb2.STEERING_MODE_AMPLIFY:
+            # The preset's layer 8 is meant for 32-layer models; clamp it so small models still steer.
+            spec = SteeringSpec.amplify(ids, AMPLIFY_TARGET if target is None else target,
+                                        min(AMPLIFY_INJECT_LAYER, self.cfg.n_layers) if layer is None else layer,
+                                        cutoff)
+        elif steering.mode == common_pb2.STEERING_MODE_SUPPRESS:
+            focal, given = ids[0], dict(zip(ids, weights))
+            group = list(dict.fromkeys(ids[1:] + self.catalog.group_neighbours(focal)))
+            spec = SteeringSpec.suppress(focal, group, SUPPRESS_TARGET if target is None else target, layer)
+            spec = dataclasses.replace(spec, cutoff_tokens=cutoff)
+            weights = [given.get(c, 1.0) for c in spec.concept_ids]  # neighbours weigh 1
+        else:
+            raise _invalid(f"unknown steering mode {steering.mode}")
+        if steering.schedule != common_pb2.STEERING_SCHEDULE_DEFAULT:
+            spec = dataclasses.replace(spec, schedule=_SCHEDULE_OVERRIDES[steering.schedule])
+        return spec, weights
+
+    def build(self, request) -> common_pb2.PreparedSteering:
+        """BuildSteeringRequest -> PreparedSteering (fp32 vectors as little-endian bytes)."""
+        self.check_model(request.model)
+        spec, weights = self.spec(request.steering)
+        rows = self.known_embedding[torch.tensor(spec.concept_ids, dtype=torch.long)]  # copies only these rows
+        w = None if all(x == 1.0 for x in weights) else torch.tensor(weights, dtype=torch.float32)
+        with self._build_lock:
+            prepared = prepare(spec, rows, self.lm_weight, self.cfg.n_layers, dtype=torch.float32, weights=w)
+        return common_pb2.PreparedSteering(
+            direction_f32=floats_to_bytes(prepared.direction), base_alpha=prepared.base_alpha,
+            inject_layer=prepared.inject_layer, schedule=_SCHEDULES[prepared.schedule],
+            cutoff_tokens=prepared.cutoff_tokens,
+            relu_mask_f32=floats_to_bytes(prepared.relu_mask) if prepared.relu_mask is not None else b"",
+            concept_ids=list(spec.concept_ids), model=self.model_name)
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """The checkpoint tensors this backend holds (tests check the transformer stays unloaded)."""
+        return (KNOWN_EMBEDDING, TOKEN_EMBEDDING)

@@ -1,0 +1,512 @@
+"""steering_svc and attribution_svc as real grpc.aio servers over the bundled tiny model.
+
+The oracle is the in-process math (`cde.steerling.steering.prepare`,
+`cde.steerling.attribution.token_attribution` / `chunk_spans` / `chunk_scores`) over the model
+as `load_model` builds it; the records come from the reference decoder, steered by what the
+steering service built, with end-of-chunk and stop tokens forced in so chunks span blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from attribution_svc import service as attribution_service
+from attribution_svc.compute import TENSOR_NAMES, AttributionTables, StreamState, attribute_block
+from cde.rpc import bytes_to_floats, channel_options, floats_to_bytes
+from cde.rpc.v1 import attribution_pb2, attribution_pb2_grpc, common_pb2, steering_pb2, steering_pb2_grpc
+from cde.steerling import attribution as attr
+from cde.steerling.catalog import ConceptCatalog
+from cde.steerling.loading import load_model
+from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.steering import PreparedSteering, SteeringSpec, prepare, steering_direction
+from steering_svc import service as steering_service
+from steering_svc.backend import SteeringBackend
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "steerling-tiny"
+TIMEOUT = 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def catalog(model):
+    return ConceptCatalog.load(MODEL_DIR, model.cfg.n_known, model.cfg.n_discovered)
+
+
+@asynccontextmanager
+async def services():
+    steer = await steering_service.build_server(MODEL_DIR, "127.0.0.1", 0)
+    attrib = await attribution_service.build_server(MODEL_DIR, "127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{steer.port}", options=channel_options()) as sc, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{attrib.port}", options=channel_options()) as ac:
+            yield steer, sc, ac
+    finally:
+        await steer.stop(None)
+        await attrib.stop(None)
+
+
+def run(coro_fn):
+    return asyncio.run(coro_fn())
+
+
+async def health_of(channel, service: str) -> int:
+    got = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                          timeout=TIMEOUT)
+    return got.status
+
+
+def concept(ref, strength: float = 0.0) -> common_pb2.SteeringConcept:
+    if isinstance(ref, int):
+        return common_pb2.SteeringConcept(concept_id=ref, strength=strength)
+    return common_pb2.SteeringConcept(name=ref, strength=strength)
+
+
+def to_prepared(msg: common_pb2.PreparedSteering) -> PreparedSteering:
+    schedule = {common_pb2.STEERING_SCHEDULE_FIXED: "fixed", common_pb2.STEERING_SCHEDULE_HARD_CUTOFF: "hard_cutoff"}
+    mask = torch.from_numpy(bytes_to_floats(msg.relu_mask_f32)) if msg.relu_mask_f32 else None
+    return PreparedSteering(torch.from_numpy(bytes_to_floats(msg.direction_f32)), msg.base_alpha, msg.inject_layer,
+                            schedule[msg.schedule], msg.cutoff_tokens, mask)
+
+
+# ---- units --------------------------------------------------------------------------------
+
+def test_unit_weights_leave_the_unweighted_direction_bit_identical():
+    emb = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    plain = steering_direction(emb)
+    assert torch.equal(plain, steering_direction(emb, torch.ones(5)))
+    w = torch.tensor([2.0, 1.0, 0.5, 1.0, 3.0])
+    manual = (emb * w[:, None]).sum(0)
+    assert torch.allclose(steering_direction(emb, w), manual / manual.norm(), atol=1e-7)
+
+
+def test_unit_services_hold_only_the_head_tensors(model):
+    tables = AttributionTables.open(MODEL_DIR)
+    assert set(tables.tensors) == set(TENSOR_NAMES)
+    assert not any(".blocks." in n or "predictor" in n for n in tables.tensors)
+    held = [v for v in vars(tables).values() if isinstance(v, torch.Tensor)]
+    assert held == []  # every tensor it has is in .tensors
+    known, disc, lm = attr.model_lookups(model)
+    ids = torch.arange(model.cfg.n_known).reshape(6, 8)
+    assert torch.equal(tables.known_embed(ids), known(ids))
+    dids = torch.arange(model.cfg.n_discovered).reshape(6, 16)
+    assert torch.equal(tables.disc_embed(dids), disc(dids))
+    toks = torch.arange(model.cfg.vocab_size)
+    assert torch.equal(tables.lm_rows(toks), lm(toks))
+
+    backend = SteeringBackend(MODEL_DIR)
+    tensors = {k for k, v in vars(backend).items() if isinstance(v, torch.Tensor)}
+    assert tensors == {"known_embedding", "lm_weight"}
+    assert backend.tensor_names() == ("known_head.concept_embedding.weight", "transformer.tok_emb.weight")
+    assert backend.model_name == "steerling-tiny"
+
+
+# ---- steering service ---------------------------------------------------------------------
+
+@pytest.mark.contract
+def test_steering_health_search_and_lookup():
+    async def main():
+        async with services() as (_, sc, ac):
+            for ch, name in ((sc, "cde.v1.Steering"), (ac, "cde.v1.Attribution")):
+                for svc in ("", name):
+                    assert await health_of(ch, svc) == health_pb2.HealthCheckResponse.SERVING
+            stub = steering_pb2_grpc.SteeringStub(sc)
+            hits = (await stub.SearchConcepts(common_pb2.SearchConceptsRequest(query="oce"), timeout=TIMEOUT)).concepts
+            assert hits[0].name == "ocean" and hits[0].id == 0 and hits[0].head == "known"
+            assert hits[0].HasField("group_id") and hits[0].group_id == 0 and hits[0].steerable
+            limited = await stub.SearchConcepts(common_pb2.SearchConceptsRequest(query="o", limit=3))
+            assert len(limited.concepts) == 3
+            every = await stub.SearchConcepts(common_pb2.SearchConceptsRequest(query="discovered", limit=200))
+            assert len(every.concepts) == 96 and all(c.head == "discovered" for c in every.concepts)
+            assert not (await stub.SearchConcepts(common_pb2.SearchConceptsRequest(
+                query="discovered", known_only=True))).concepts
+
+            by_name = await stub.GetConcept(steering_pb2.GetConceptRequest(name="  OCEAN "))
+            by_id = await stub.GetConcept(steering_pb2.GetConceptRequest(concept_id=0, model="steerling-tiny"))
+            assert by_name == by_id and by_name.name == "ocean" and by_name.group_name.startswith("group 0")
+            disc = await stub.GetConcept(steering_pb2.GetConceptRequest(concept_id=50))
+            assert disc.head == "discovered" and not disc.steerable and not disc.HasField("group_id")
+
+            bad = [(stub.SearchConcepts, common_pb2.SearchConceptsRequest(query=""), "INVALID_ARGUMENT", "empty"),
+                   (stub.SearchConcepts, common_pb2.SearchConceptsRequest(query="   "), "INVALID_ARGUMENT", "empty"),
+                   (stub.SearchConcepts, common_pb2.SearchConceptsRequest(query="x" * 201), "INVALID_ARGUMENT", "201"),
+                   (stub.SearchConcepts, common_pb2.SearchConceptsRequest(query="a", model="gpt"), "NOT_FOUND", "gpt"),
+                   (stub.GetConcept, steering_pb2.GetConceptRequest(name="seaweed"), "NOT_FOUND", "seaweed"),
+                   (stub.GetConcept, steering_pb2.GetConceptRequest(concept_id=999), "NOT_FOUND", "999"),
+                   (stub.GetConcept, steering_pb2.GetConceptRequest(), "INVALID_ARGUMENT", "concept_id or a name")]
+            for call, req, code, text in bad:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(req, timeout=TIMEOUT)
+                assert err.value.code() == getattr(grpc.StatusCode, code), (req, err.value.details())
+                assert text in err.value.details()
+    run(main)
+
+
+@pytest.mark.contract
+def test_build_steering_equals_in_process_prepare(model, catalog):
+    cfg = model.cfg
+    lm = model.transformer.lm_head.weight
+
+    @torch.no_grad()
+    def expected(spec: SteeringSpec, weights=None):
+        return prepare(spec, model.known_head.embeddings(torch.tensor(spec.concept_ids)), lm, cfg.n_layers,
+                       weights=None if weights is None else torch.tensor(weights))
+
+    music = catalog.by_name("music").concept_id
+    cases = [
+        # amplify, defaults: layer 8 clamped to the tiny model's 4 layers
+        (common_pb2.SteeringRequest(concepts=[concept("ocean")]), SteeringSpec.amplify([0], 8.0, 4, 32), None),
+        # per-concept strengths weigh the direction; overrides of the preset
+        (common_pb2.SteeringRequest(concepts=[concept("Ocean", 2.0), concept(2, 0.5), concept("song")],
+                                    target=5.5, inject_layer=2, cutoff_tokens=10,
+                                    schedule=common_pb2.STEERING_SCHEDULE_FIXED),
+         SteeringSpec((0, 2, 7), 5.5, True, 2, "fixed", 10), [2.0, 0.5, 1.0]),
+        # suppress: the focal concept, its group neighbours, raw alpha -7, layer n_layers // 2, relu mask
+        (common_pb2.SteeringRequest(concepts=[concept("music")], mode=common_pb2.STEERING_MODE_SUPPRESS),
+         SteeringSpec.suppress(music, catalog.group_neighbours(music)), None),
+        # suppress with more concepts (one of them also a neighbour) and a schedule override
+        (common_pb2.SteeringRequest(concepts=[concept("music", 3.0), concept("rhythm", 2.0), concept("ocean")],
+                                    mode=common_pb2.STEERING_MODE_SUPPRESS, target=-3.0, inject_layer=1,
+                                    schedule=common_pb2.STEERING_SCHEDULE_HARD_CUTOFF, cutoff_tokens=16),
+         SteeringSpec((music, 6, 0, 5, 7), -3.0, False, 1, "hard_cutoff", 16, {music: 20.0}),
+         [3.0, 2.0, 1.0, 1.0, 1.0]),
+    ]
+
+    async def main():
+        async with services() as (steer, sc, _):
+            stub = steering_pb2_grpc.SteeringStub(sc)
+            for request, spec, weights in cases:
+                got = await stub.BuildSteering(steering_pb2.BuildSteeringRequest(steering=request), timeout=TIMEOUT)
+                want = expected(spec, weights)
+                assert got.direction_f32 == floats_to_bytes(want.direction)
+                # the proto field is float32: exactly the float32 rounding of the fp64 alpha
+                assert got.base_alpha == float(np.float32(want.base_alpha))
+                assert math.isclose(got.base_alpha, want.base_alpha, rel_tol=1e-6)
+                assert got.inject_layer == want.inject_layer and got.cutoff_tokens == want.cutoff_tokens
+                assert got.schedule == {"fixed": common_pb2.STEERING_SCHEDULE_FIXED,
+                                        "hard_cutoff": common_pb2.STEERING_SCHEDULE_HARD_CUTOFF}[want.schedule]
+                assert list(got.concept_ids) == list(spec.concept_ids) and got.model == "steerling-tiny"
+                if want.relu_mask is None:
+                    assert got.relu_mask_f32 == b""
+                else:
+                    mask = bytes_to_floats(got.relu_mask_f32, expected_len=cfg.vocab_size)
+                    assert np.allclose(mask, want.relu_mask.numpy(), atol=1e-6)
+                    assert got.relu_mask_f32 == floats_to_bytes(want.relu_mask)  # same math, same bits
+            # same request again: served from the LRU, same answer
+            assert len(steer.servicer.cache) == len(cases)
+            again = await stub.BuildSteering(steering_pb2.BuildSteeringRequest(steering=cases[0][0]))
+            assert again.direction_f32 == floats_to_bytes(expected(cases[0][1]).direction)
+            assert len(steer.servicer.cache) == len(cases)
+    run(main)
+
+
+BAD_STEERING = [
+    ("unknown name", dict(concepts=[concept("seaweed")]), "NOT_FOUND", "seaweed"),
+    ("unknown id", dict(concepts=[concept(999)]), "NOT_FOUND", "999"),
+    ("discovered id", dict(concepts=[concept(50)]), "INVALID_ARGUMENT", "discovered"),
+    ("discovered name", dict(concepts=[concept("discovered #0")]), "INVALID_ARGUMENT", "discovered"),
+    ("no concepts", dict(), "INVALID_ARGUMENT", "at least one"),
+    ("17 concepts", dict(concepts=[concept(i) for i in range(17)]), "INVALID_ARGUMENT", "at most 16"),
+    ("no reference", dict(concepts=[common_pb2.SteeringConcept(strength=1.0)]), "INVALID_ARGUMENT", "name"),
+    ("twice", dict(concepts=[concept("ocean"), concept(0)]), "INVALID_ARGUMENT", "twice"),
+    ("strength 99", dict(concepts=[concept("ocean", 99.0)]), "INVALID_ARGUMENT", "strength"),
+    ("negative strength", dict(concepts=[concept("ocean", -1.0)]), "INVALID_ARGUMENT", "strength"),
+    ("nan strength", dict(concepts=[concept("ocean", float("nan"))]), "INVALID_ARGUMENT", "strength"),
+    ("target 51", dict(concepts=[concept("ocean")], target=51.0), "INVALID_ARGUMENT", "target"),
+    ("target -inf", dict(concepts=[concept("ocean")], target=float("-inf")), "INVALID_ARGUMENT", "target"),
+    ("layer 0", dict(concepts=[concept("ocean")], inject_layer=0), "INVALID_ARGUMENT", "inject_layer"),
+    ("layer 5 of 4", dict(concepts=[concept("ocean")], inject_layer=5), "INVALID_ARGUMENT", "inject_layer"),
+    ("cutoff 0", dict(concepts=[concept("ocean")], cutoff_tokens=0), "INVALID_ARGUMENT", "cutoff_tokens"),
+    ("cutoff 4097", dict(concepts=[concept("ocean")], cutoff_tokens=4097), "INVALID_ARGUMENT", "cutoff_tokens"),
+    ("unknown mode", dict(concepts=[concept("ocean")], mode=7), "INVALID_ARGUMENT", "mode"),
+    ("unknown schedule", dict(concepts=[concept("ocean")], schedule=9), "INVALID_ARGUMENT", "schedule"),
+]
+
+
+@pytest.mark.contract
+def test_build_steering_refuses_bad_input():
+    async def main():
+        async with services() as (steer, sc, _):
+            stub = steering_pb2_grpc.SteeringStub(sc)
+            for what, fields, code, text in BAD_STEERING:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.BuildSteering(steering_pb2.BuildSteeringRequest(
+                        steering=common_pb2.SteeringRequest(**fields)), timeout=TIMEOUT)
+                assert err.value.code() == getattr(grpc.StatusCode, code), (what, err.value.details())
+                assert text in err.value.details(), (what, err.value.details())
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.BuildSteering(steering_pb2.BuildSteeringRequest(
+                    model="steerling-8b", steering=common_pb2.SteeringRequest(concepts=[concept(0)])))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND and "steerling-8b" in err.value.details()
+            assert len(steer.servicer.cache) == 0
+            assert await health_of(sc, "cde.v1.Steering") == health_pb2.HealthCheckResponse.SERVING
+    run(main)
+
+
+# ---- attribution service ------------------------------------------------------------------
+
+PROMPT = list(b"Tell me about the sea.")       # 22 tokens: the first block is [22, 64)
+FORCED_EOC = (30, 40, 41, 100)                 # chunks [22,30) [31,40) (empty) [42,100) spans two blocks
+FORCED_EOT = 150                               # the last chunk [101,150) spans two blocks and ends at the stop
+
+
+def forced_choice(cfg, forced: dict[int, int]):
+    """Greedy choice, never a structural token on its own, the given tokens at the given positions."""
+    def choose(positions, rows, _u):
+        rows = rows.clone()
+        rows[:, [cfg.endofchunk_id, cfg.eot_id]] = float("-inf")
+        picked = rows.argmax(-1)
+        for i, p in enumerate(positions.tolist()):
+            if p in forced:
+                picked[i] = forced[p]
+        return picked
+    return choose
+
+
+def records_message(r: attr.RawRecords) -> common_pb2.RawConceptRecords:
+    return common_pb2.RawConceptRecords(
+        positions=r.positions.tolist(), tokens=r.tokens.tolist(), target_logits=r.target_logits.tolist(),
+        k_known=r.known_idx.shape[1], known_idx=r.known_idx.reshape(-1).tolist(),
+        known_logits=r.known_logits.reshape(-1).tolist(), k_disc=r.disc_idx.shape[1],
+        disc_idx=r.disc_idx.reshape(-1).tolist(), disc_logits=r.disc_logits.reshape(-1).tolist())
+
+
+def block_requests(res, cfg, *, top_k: int, mode=common_pb2.ATTRIBUTION_ALL, cut_inclusive: bool = False):
+    out = []
+    for i, b in enumerate(res.blocks):
+        ctx = list(b.tokens)
+        if cfg.eot_id in ctx:  # "cut at the first stop token": both readings must work
+            j = ctx.index(cfg.eot_id)
+            ctx = ctx[:j + 1] if cut_inclusive else ctx[:j]
+        out.append(attribution_pb2.AttributeRequest(
+            request_id="r1", block_index=b.block, mode=mode, top_k=top_k, records=records_message(b.records),
+            start=b.start, context_tokens=ctx, last=i == len(res.blocks) - 1))
+    return out
+
+
+def expected_chunks(res, ta, cfg, top_k):
+    order = {int(p): i for i, p in enumerate(res.records.positions)}
+    p0 = res.prompt_len
+    out = []
+    for s, e in attr.chunk_spans(res.sequence[p0:], cfg.endofchunk_id, [cfg.eot_id]):
+        if e > s:
+            rows = [order[p0 + p] for p in range(s, e) if p0 + p in order]
+            out.append((p0 + s, p0 + e, *attr.chunk_scores(ta, rows, e - s, cfg.n_known, top=top_k)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def steered_run(model):
+    """A steered generation with forced end-of-chunk and stop tokens (steering built by the service)."""
+    cfg = model.cfg
+
+    async def build():
+        async with services() as (_, sc, _ac):
+            return await steering_pb2_grpc.SteeringStub(sc).BuildSteering(steering_pb2.BuildSteeringRequest(
+                steering=common_pb2.SteeringRequest(concepts=[concept("ocean")], inject_layer=1)), timeout=TIMEOUT)
+    prepared = to_prepared(run(build))
+    forced = {p: cfg.endofchunk_id for p in FORCED_EOC} | {FORCED_EOT: cfg.eot_id}
+    res = generate(model, PROMPT, DecodeOptions(170 - len(PROMPT), seed=3), prepared,
+                   tokenizer_vocab_size=264, choose=forced_choice(cfg, forced))
+    assert res.finish_reason == "stop" and [b.start for b in res.blocks] == [22, 64, 128]
+    return res
+
+
+@pytest.mark.contract
+@pytest.mark.parametrize("cut_inclusive", [False, True])
+def test_attribute_stream_equals_in_process_attribution(model, catalog, steered_run, cut_inclusive):
+    cfg, res, top_k = model.cfg, steered_run, 64
+    ta = attr.token_attribution(res.records, *attr.model_lookups(model))
+    row_of = {int(p): i for i, p in enumerate(res.records.positions)}
+    requests = block_requests(res, cfg, top_k=top_k, cut_inclusive=cut_inclusive)
+
+    async def main():
+        async with services() as (_, _sc, ac):
+            async def gen():
+                for r in requests:
+                    yield r
+            return [r async for r in attribution_pb2_grpc.AttributionStub(ac).Attribute(gen(), timeout=TIMEOUT)]
+    responses = run(main)
+    assert [r.block_index for r in responses] == [b.block for b in res.blocks]
+
+    tokens = [t for r in responses for t in r.token_attributions]
+    assert [t.position for t in tokens] == res.records.positions.tolist()
+    k_all = cfg.topk_known + cfg.topk_discovered
+    for t in tokens:
+        i = row_of[t.position]
+        assert t.token == int(res.records.tokens[i]) and t.target_logit == float(res.records.target_logits[i])
+        assert len(t.top) == k_all  # top_k 64 >= 8 + 16: every concept of the token
+        assert abs(sum(c.score for c in t.top) + t.residual - t.target_logit) < 1e-4
+        assert abs(t.residual - float(ta.residual[i])) < 1e-5
+        want = {int(c): float(v) for c, v in zip(ta.known_idx[i], ta.known_contrib[i])}
+        want |= {int(c) + cfg.n_known: float(v) for c, v in zip(ta.disc_idx[i], ta.disc_contrib[i])}
+        got = {c.concept_id: c.score for c in t.top}
+        assert got.keys() == want.keys() and all(abs(got[c] - want[c]) < 1e-5 for c in want)
+        scores = [abs(c.score) for c in t.top]
+        assert scores == sorted(scores, reverse=True)
+        for c in t.top:
+            assert c.label == catalog.label(c.concept_id)
+            assert c.head == ("known" if c.concept_id < cfg.n_known else "discovered")
+
+    chunks = [(r.block_index, c) for r in responses for c in r.chunk_attributions]
+    want = expected_chunks(res, ta, cfg, top_k)
+    assert [(c.start, c.end) for _, c in chunks] == [(s, e) for s, e, _, _ in want] \
+        == [(22, 30), (31, 40), (42, 100), (101, 150)]
+    assert [b for b, _ in chunks] == [0, 0, 1, 2]  # each emitted by the block that closes it
+    for (_, got), (_, _, scores, eps_pct) in zip(chunks, want):
+        assert abs(got.residual_pct - eps_pct) < 1e-4
+        assert [c.concept_id for c in got.top] == [s.concept_id for s in scores]
+        assert np.allclose([c.score for c in got.top], [s.score for s in scores], atol=1e-6)
+        assert [c.label for c in got.top] == [catalog.label(s.concept_id) for s in scores]
+
+
+def test_unit_chunks_close_at_the_generation_end_and_modes_select_output(model, catalog, steered_run):
+    """Without a stop token the open chunk closes at last=True; a context cut short closes it too;
+    TOKENS/CHUNKS/NONE pick what is sent, while the chunk state advances in every mode."""
+    cfg, res = model.cfg, steered_run
+    tables = AttributionTables.open(MODEL_DIR)
+    first_two = block_requests(res, cfg, top_k=5)[:2]
+    first_two[1].last = True  # pretend the generation ended after block 1 (no stop token seen)
+    state = StreamState()
+    out = [attribute_block(tables, catalog, state, r) for r in first_two]
+    assert [(c.start, c.end) for r in out for c in r.chunk_attributions] == [(22, 30), (31, 40), (42, 100), (101, 128)]
+    assert all(len(c.top) == 5 for r in out for c in r.chunk_attributions)
+    assert state.chunk_start is None and state.terms is None  # reset after the last block
+
+    # the stop block marked not-last, context cut before the stop (as the scheduler does): the
+    # short context ends the generation, the last chunk closes at the stop, the state resets
+    reqs = block_requests(res, cfg, top_k=5)
+    reqs[2].last = False
+    state = StreamState()
+    out = [attribute_block(tables, catalog, state, r) for r in reqs]
+    assert [(c.start, c.end) for c in out[2].chunk_attributions] == [(101, 150)]
+    assert state.chunk_start is None and state.next_start is None
+
+    reqs = block_requests(res, cfg, top_k=5)
+    modes = [common_pb2.ATTRIBUTION_TOKENS, common_pb2.ATTRIBUTION_NONE, common_pb2.ATTRIBUTION_CHUNKS]
+    for r, m in zip(reqs, modes):
+        r.mode = m
+    state = StreamState()
+    out = [attribute_block(tables, catalog, state, r) for r in reqs]
+    assert [len(r.token_attributions) > 0 for r in out] == [True, False, False]
+    assert [[(c.start, c.end) for c in r.chunk_attributions] for r in out] == [[], [], [(101, 150)]]
+
+
+def _bad_stream_cases(res, cfg):
+    good = block_requests(res, cfg, top_k=8)
+
+    def edit(fn, index=0):
+        reqs = [attribution_pb2.AttributeRequest() for _ in good[:index + 1]]
+        for r, g in zip(reqs, good):
+            r.CopyFrom(g)
+        fn(reqs[index])
+        return reqs
+
+    def rec(r):
+        return r.records
+    return {
+        "short known_idx": edit(lambda r: rec(r).known_idx.pop()),
+        "k_known above the model's": edit(lambda r: setattr(rec(r), "k_known", 9)),
+        "known index out of range": edit(lambda r: rec(r).known_idx.__setitem__(0, cfg.n_known)),
+        "discovered index out of range": edit(lambda r: rec(r).disc_idx.__setitem__(3, cfg.n_discovered)),
+        "token out of vocabulary": edit(lambda r: rec(r).tokens.__setitem__(0, cfg.vocab_size)),
+        "missing target logit": edit(lambda r: rec(r).target_logits.pop()),
+        "non-finite logit": edit(lambda r: rec(r).known_logits.__setitem__(1, float("nan"))),
+        "position before start": edit(lambda r: rec(r).positions.__setitem__(0, r.start - 1)),
+        "position past the block": edit(lambda r: rec(r).positions.__setitem__(0, 64)),
+        "repeated position": edit(lambda r: rec(r).positions.__setitem__(1, rec(r).positions[0])),
+        "token differs from context": edit(lambda r: r.context_tokens.__setitem__(
+            rec(r).positions[0] - r.start, (rec(r).tokens[0] + 1) % 256)),
+        "context past the block": edit(lambda r: r.context_tokens.extend([1] * 50)),
+        "unknown mode": edit(lambda r: setattr(r, "mode", 9)),
+        "gap between blocks": edit(lambda r: setattr(r, "start", r.start + 64) or r.ClearField("context_tokens")
+                                   or r.records.Clear(), index=1),
+    }
+
+
+@pytest.mark.contract
+def test_malformed_records_are_invalid_argument_and_the_server_stays_serving(model, steered_run):
+    cases = _bad_stream_cases(steered_run, model.cfg)
+    good = block_requests(steered_run, model.cfg, top_k=8)
+
+    async def main():
+        async with services() as (_, _sc, ac):
+            stub = attribution_pb2_grpc.AttributionStub(ac)
+            for what, reqs in cases.items():
+                got = []
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for resp in stub.Attribute(iter(reqs), timeout=TIMEOUT):
+                        got.append(resp)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, err.value.details())
+                assert len(got) == len(reqs) - 1, what  # earlier good blocks were answered
+                assert f"block {reqs[-1].block_index}" in err.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Attribute(iter([attribution_pb2.AttributeRequest(model="other")])):
+                    pass
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert await health_of(ac, "cde.v1.Attribution") == health_pb2.HealthCheckResponse.SERVING
+            ok = [r async for r in stub.Attribute(iter(good), timeout=TIMEOUT)]
+            assert len(ok) == len(good) and sum(len(r.chunk_attributions) for r in ok) == 4
+    run(main)
+
+
+@pytest.mark.contract
+@pytest.mark.parametrize("which", ["steering", "attribution"])
+def test_not_serving_and_unavailable_until_loaded(monkeypatch, which):
+    """The server answers health NOT_SERVING (and UNAVAILABLE to calls) while the model loads."""
+    import socket
+    import threading
+
+    release = threading.Event()
+    module = steering_service if which == "steering" else attribution_service
+    attr_name = "SteeringBackend" if which == "steering" else "Loaded"
+    real = getattr(module, attr_name)
+    if which == "steering":
+        def slow(model_dir):
+            release.wait(TIMEOUT)
+            return real(model_dir)
+        monkeypatch.setattr(module, attr_name, slow)
+    else:
+        class Slow:
+            @staticmethod
+            def load(model_dir):
+                release.wait(TIMEOUT)
+                return real.load(model_dir)
+        monkeypatch.setattr(module, attr_name, Slow)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = "cde.v1.Steering" if which == "steering" else "cde.v1.Attribution"
+
+    async def main():
+        task = asyncio.create_task(module.build_server(MODEL_DIR, "127.0.0.1", port))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as ch:
+            await ch.channel_ready()
+            assert await health_of(ch, service) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                if which == "steering":
+                    await steering_pb2_grpc.SteeringStub(ch).GetConcept(steering_pb2.GetConceptRequest(concept_id=0))
+                else:
+                    async for _ in attribution_pb2_grpc.AttributionStub(ch).Attribute(
+                            iter([attribution_pb2.AttributeRequest()])):
+                        pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            release.set()
+            running = await task
+            try:
+                assert await health_of(ch, service) == health_pb2.HealthCheckResponse.SERVING
+            finally:
+                await running.stop(None)
+    run(main)
