@@ -1,0 +1,346 @@
+"""REST: OpenAI-compatible completions/chat with SSE, models, concept search, health, metrics.
+
+Every error leaves as an OpenAI-style body `{"error": {message, type, param, code}}`, including
+FastAPI's own validation errors, unknown routes and body-size refusals; schema/type errors keep
+FastAPI's 422, out-of-range values and malformed JSON are 400 (see `_validation_status`).
+Streaming waits for the scheduler's first event before sending headers, so an admission refusal
+is still a real 429/404/503 and not an error event inside a 200 stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive
+
+from cde.rpc.v1 import common_pb2, generate_pb2
+from gateway.auth import ApiKeyAuth
+from gateway.detok import StopStringMatcher
+from gateway.errors import GatewayError, invalid, openai_error_body
+from gateway.metrics import CONTENT_TYPE
+from gateway.pipeline import GenerationStream, Pipeline
+from gateway.middleware import AuthMiddleware, BodyLimitMiddleware
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from gateway.translate import OpenAIFormatter, RestOptions, block_cde_json, chat_to_proto, completion_to_proto
+
+log = logging.getLogger("gateway.rest")
+
+# pydantic error types that mean "right type, bad value" (HTTP 400); all others are schema errors (422).
+_VALUE_ERRORS = frozenset({
+    "json_invalid", "greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of",
+    "finite_number", "too_short", "too_long", "string_too_short", "string_too_long", "literal_error", "enum",
+    "value_error", "assertion_error"})
+
+
+# ---- errors ------------------------------------------------------------------------------
+# pydantic names union members in `loc` ("str", "list[constrained-int]", ...); they are not fields.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|constrained-[a-z]+|[a-z-]+\[.*\])$")
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    out = ""
+    for part in loc[1:] if loc and loc[0] in ("body", "query", "path") else loc:
+        if isinstance(part, str) and _UNION_TAG.match(part):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def _validation_status(errors: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """400 when every offending top-level field failed on its value, else 422; plus the error to report.
+
+    Grouping by top-level field matters for unions (e.g. `prompt: str | list[str]`): an empty list
+    fails the list branch on length (a value) and the str branch on type, and is a value error.
+    """
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        groups.setdefault(loc[:2], []).append(e)
+    value_groups = [g for g in groups.values() if any(e["type"] in _VALUE_ERRORS for e in g)]
+    if errors and len(value_groups) == len(groups):
+        return 400, next(e for e in value_groups[0] if e["type"] in _VALUE_ERRORS)
+    type_group = next(g for g in groups.values() if g not in value_groups)
+    return 422, type_group[0]
+
+
+def _json_error(status: int, message: str, param: str | None = None, code: str | None = None,
+                headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(openai_error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+# ---- generation ----------------------------------------------------------------------------
+def _sse(obj: dict[str, Any]) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def _stop_usage(stream: GenerationStream) -> common_pb2.Usage:
+    """A stop string ended the request before the scheduler's Finished: count what was streamed
+    (whole blocks, so a few tokens past the cut may be counted) and stop the scheduler call."""
+    stream.finish_early("stop")
+    return common_pb2.Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=stream.detok.n_tokens)
+
+
+def _error_finish(fin: common_pb2.Finished) -> GatewayError:
+    return GatewayError(grpc.StatusCode.INTERNAL, f"generation failed: {fin.message or 'engine error'}",
+                        err_code="generation_failed")
+
+
+async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, opts: RestOptions) -> dict[str, Any]:
+    stopper = StopStringMatcher(opts.stop_strings)
+    text: list[str] = []
+    blocks: list[dict[str, Any]] = []
+    tas: list[dict[str, Any]] = []
+    cas: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    usage, reason = common_pb2.Usage(), "stop"
+    ev = first
+    while ev is not None:
+        kind = ev.WhichOneof("event")
+        if kind == "accepted":
+            meta = {"request_id": ev.accepted.request_id, "seed": ev.accepted.seed}
+        elif kind == "block":
+            piece = stopper.feed(ev.block.text)
+            text.append(piece)
+            bj = block_cde_json(fmt.tokenizer, ev.block)
+            tas += bj.pop("token_attributions")
+            cas += bj.pop("chunk_attributions")
+            blocks.append({**bj, "text": piece})
+            if stopper.stopped:
+                usage, reason = _stop_usage(stream), "stop"
+                break
+        elif kind == "finished":
+            if ev.finished.reason == common_pb2.FINISH_REASON_ERROR:
+                raise _error_finish(ev.finished)
+            usage, reason = ev.finished.usage, stream.finish_reason or "stop"
+        ev = await stream.next()
+    text.append(stopper.flush())
+    cde = {**meta, "blocks": blocks, "token_attributions": tas, "chunk_attributions": cas}
+    return fmt.response("".join(text), reason, usage, cde)
+
+
+async def _sse_events(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, opts: RestOptions,
+                      on_error: Callable[[int], None]) -> AsyncIterator[str]:
+    stopper = StopStringMatcher(opts.stop_strings)
+    try:
+        ev = first
+        while ev is not None:
+            kind = ev.WhichOneof("event")
+            if kind == "accepted":
+                yield _sse(fmt.accepted_chunk(ev.accepted))
+            elif kind == "step":
+                if opts.steps:
+                    yield _sse(fmt.step_chunk(ev.step))
+            elif kind == "block":
+                yield _sse(fmt.block_chunk(ev.block, stopper.feed(ev.block.text)))
+                if stopper.stopped:
+                    usage = _stop_usage(stream)
+                    yield _sse(fmt.final_chunk("stop"))
+                    if opts.include_usage:
+                        yield _sse(fmt.usage_chunk(usage))
+                    break
+            elif kind == "finished":
+                tail = stopper.flush()
+                if tail:
+                    yield _sse(fmt.text_chunk(tail))
+                if ev.finished.reason == common_pb2.FINISH_REASON_ERROR:
+                    raise _error_finish(ev.finished)
+                yield _sse(fmt.final_chunk(stream.finish_reason or "stop"))
+                if opts.include_usage:
+                    yield _sse(fmt.usage_chunk(ev.finished.usage))
+            ev = await stream.next()
+    except GatewayError as e:  # headers are out: report in-band, like OpenAI does
+        on_error(e.http_status)
+        yield _sse(e.body())
+    finally:
+        stream.close()  # client gone or done: cancels the scheduler call if still open
+    yield "data: [DONE]\n\n"
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+router = APIRouter()
+
+
+def _pipeline(request: Request) -> Pipeline:
+    # Routes are module-level and read their state from the app, not from closures: FastAPI caches
+    # endpoint callables process-wide, and a closure would pin the pipeline (and its gRPC channels).
+    return request.app.state.pipeline
+
+
+# ---- error handlers (module-level for the same reason) ----
+async def _on_gateway_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, GatewayError)
+    _pipeline(request).metrics.failed(e.http_status)
+    return JSONResponse(e.body(), status_code=e.http_status, headers=e.http_headers())
+
+
+async def _on_validation_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, RequestValidationError)
+    status, err = _validation_status(list(e.errors()))
+    _pipeline(request).metrics.failed(status)
+    param = _param(tuple(err.get("loc", ())))
+    if err["type"] == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return _json_error(status, f"request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json")
+    msg = err.get("msg", "invalid value")
+    return _json_error(status, f"{param}: {msg}" if param else msg, param,
+                       "invalid_value" if status == 400 else "invalid_type")
+
+
+async def _on_http_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, StarletteHTTPException)
+    _pipeline(request).metrics.failed(e.status_code)
+    return _json_error(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+
+
+async def _on_internal_error(request: Request, e: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=e)
+    _pipeline(request).metrics.failed(500)
+    return _json_error(500, "internal error in the gateway", code="internal_error")
+
+
+# ---- generation ----
+async def _generate(request: Request, body: _GenerationFields,
+                    translated: tuple[generate_pb2.GenerateRequest, RestOptions]) -> Response:
+    pipeline = _pipeline(request)
+    bad = body.unsupported()
+    if bad is not None:
+        raise invalid(bad[1], bad[0], "unsupported")
+    greq, opts = translated
+    timer = pipeline.metrics.request()
+    prepared = await pipeline.prepare(greq)
+    stream = pipeline.open(prepared, timer)
+    try:
+        first = await stream.next()
+    except BaseException:
+        stream.close()
+        raise
+    model = pipeline.model
+    fmt = OpenAIFormatter(model.tokenizer, model.id, prepared.submit.request_id, opts.chat, opts.include_usage)
+    if opts.stream:
+        async def close() -> None:  # also runs when the client left before the body started
+            stream.close()
+        return StreamingResponse(_sse_events(stream, first, fmt, opts, pipeline.metrics.failed),
+                                 media_type="text/event-stream", background=BackgroundTask(close),
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    collector = asyncio.ensure_future(_collect(stream, first, fmt, opts))
+    watcher = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not collector.done():  # client left: stop generating for nobody
+            collector.cancel()
+            return Response(status_code=499)
+        return JSONResponse(collector.result())
+    finally:
+        watcher.cancel()
+        stream.close()
+
+
+@router.post("/v1/completions", tags=["generation"])
+async def completions(request: Request, body: CompletionRequest) -> Response:
+    """Text completion (OpenAI). `stream: true` answers with SSE chunks ending in `data: [DONE]`."""
+    return await _generate(request, body, completion_to_proto(body))
+
+
+@router.post("/v1/chat/completions", tags=["generation"])
+async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    """Chat completion (OpenAI); the model's chat template is applied to `messages`."""
+    return await _generate(request, body, chat_to_proto(body))
+
+
+@router.post("/v1/requests/{request_id}/cancel", tags=["generation"])
+async def cancel(request: Request, request_id: str) -> dict[str, Any]:
+    """Cancel a running generation by its id (the part after `cmpl-`/`chatcmpl-`)."""
+    resp = await _pipeline(request).cancel(request_id)
+    return {"id": request_id, "cancelled": resp.cancelled}
+
+
+# ---- catalog ----
+def _model_json(pipeline: Pipeline) -> dict[str, Any]:
+    model = pipeline.model
+    info = model.info()
+    return {"id": model.id, "object": "model", "created": model.created, "owned_by": "cde",
+            "cde": {"diffusion_block_size": info.diffusion_block_size, "max_context": info.max_context,
+                    "n_known_concepts": info.n_known_concepts, "n_discovered_concepts": info.n_discovered_concepts}}
+
+
+@router.get("/v1/models", tags=["catalog"])
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_json(_pipeline(request))]}
+
+
+@router.get("/v1/models/{model_id:path}", tags=["catalog"])
+async def get_model(request: Request, model_id: str) -> dict[str, Any]:
+    pipeline = _pipeline(request)
+    pipeline.check_model(model_id)
+    return _model_json(pipeline)
+
+
+@router.get("/v1/concepts", tags=["catalog"])
+async def search_concepts(request: Request, q: str | None = None, limit: int = 20,
+                          known_only: bool = False) -> dict[str, Any]:
+    """Search the concept catalog by name/description (for `steering.concepts[].name`)."""
+    if limit < 1:
+        raise invalid("limit must be at least 1", "limit")
+    resp = await _pipeline(request).search_concepts(common_pb2.SearchConceptsRequest(
+        query=q or "", limit=limit, known_only=known_only))
+    data = [{"id": c.id, "object": "concept", "name": c.name, "head": c.head, "description": c.description,
+             "group_id": c.group_id if c.HasField("group_id") else None, "group_name": c.group_name,
+             "steerable": c.steerable} for c in resp.concepts]
+    return {"object": "list", "data": data}
+
+
+# ---- operations ----
+@router.get("/health", tags=["operations"])
+async def health(request: Request) -> JSONResponse:
+    """200 when scheduler, steering and at least one worker are SERVING; else 503 naming the stage."""
+    pipeline = _pipeline(request)
+    r = await pipeline.backends.readiness(request.app.state.readiness_timeout_s)
+    pipeline.metrics.update_from_stats(r.stats)
+    body: dict[str, Any] = {"status": "ok" if r.ready else "unavailable", "model": pipeline.model.id,
+                            "stages": r.stages}
+    if not r.ready:
+        waiting = [k for k, v in r.stages.items() if v != "SERVING"]
+        body["error"] = openai_error_body(503, f"not ready: {', '.join(waiting)}", None, "backend_unavailable")["error"]
+    return JSONResponse(body, status_code=200 if r.ready else 503)
+
+
+@router.get("/metrics", tags=["operations"])
+async def prometheus(request: Request) -> Response:
+    """Prometheus text: gateway latencies/counters plus scheduler gauges fetched now."""
+    pipeline = _pipeline(request)
+    pipeline.metrics.update_from_stats(await pipeline.backends.stats(request.app.state.readiness_timeout_s))
+    return Response(pipeline.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def build_app(pipeline: Pipeline, *, auth: ApiKeyAuth | None = None, max_body_bytes: int = 1 << 20,
+              readiness_timeout_s: float = 1.0) -> FastAPI:
+    """The REST app. `pipeline` carries the model, backends, limits and metrics."""
+    app = FastAPI(title="cde gateway", version="1",
+                  description="OpenAI-compatible API for interpretable, steerable block-diffusion generation. "
+                              "Extensions: steering, attribution, decode, sampling, stream_mode, stop_token_ids.")
+    app.state.pipeline = pipeline
+    app.state.readiness_timeout_s = readiness_timeout_s
+    app.add_exception_handler(GatewayError, _on_gateway_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_internal_error)
+    app.include_router(router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_error=pipeline.metrics.failed)
+    # outermost: keys are checked before the body is even read
+    app.add_middleware(AuthMiddleware, auth=auth or ApiKeyAuth(()), on_error=pipeline.metrics.failed)
+    return app

@@ -1,0 +1,145 @@
+"""One error type for the whole gateway, and its two renderings (gRPC status, OpenAI JSON).
+
+Validation, steering resolution and the scheduler all fail with a `GatewayError` that carries a
+gRPC status code, so the public gRPC API can abort with it unchanged and REST can map it to an
+HTTP status the way DESIGN.md's Contracts section says (400/404/429/503).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+# gRPC code -> HTTP status. Anything not listed is an internal error (500).
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+# The scheduler puts its retry hint for RESOURCE_EXHAUSTED in this (trailing) metadata key.
+RETRY_AFTER_MD = "retry-after-ms"
+DEFAULT_RETRY_AFTER_MS = 1000
+
+
+def error_type(status: int) -> str:
+    """OpenAI's `error.type` for an HTTP status (clients switch on the status, humans read this)."""
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+@dataclass
+class GatewayError(Exception):
+    """A failure the client should see, with the gRPC code that classifies it.
+
+    `param` names the offending request field (OpenAI's `error.param`); `err_code` is the
+    machine-readable OpenAI `error.code` (e.g. "model_not_found"); `retry_after_ms` is set for
+    RESOURCE_EXHAUSTED when the scheduler (or the rate limiter) gave a hint.
+    """
+
+    code: grpc.StatusCode
+    message: str
+    param: str | None = None
+    err_code: str | None = None
+    retry_after_ms: int | None = None
+    http_status_override: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    @property
+    def http_status(self) -> int:
+        return self.http_status_override or HTTP_STATUS.get(self.code, 500)
+
+    def body(self) -> dict[str, Any]:
+        return openai_error_body(self.http_status, self.message, self.param, self.err_code)
+
+    def http_headers(self) -> dict[str, str]:
+        if self.retry_after_ms is None:
+            return {}
+        return {"Retry-After": str(retry_after_seconds(self.retry_after_ms))}
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        if self.retry_after_ms is None:
+            return ()
+        return ((RETRY_AFTER_MD, str(self.retry_after_ms)),)
+
+
+def retry_after_seconds(ms: int) -> int:
+    """HTTP Retry-After is whole seconds; round up and never say 0 (clients would hammer)."""
+    return max(1, math.ceil(ms / 1000))
+
+
+def openai_error_body(status: int, message: str, param: str | None = None,
+                      code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, message, param, code)
+
+
+def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError, what: str) -> GatewayError:
+    """Translate a backend's gRPC failure; `what` names the backend for the message.
+
+    Codes that describe the request (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED) pass
+    through with the backend's own detail; transport failures become UNAVAILABLE so the client
+    sees 503 rather than a confusing internal error.
+    """
+    code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = (err.details() if callable(getattr(err, "details", None)) else None) or ""
+    # Without a hint, still tell HTTP clients to back off a little rather than retry at once.
+    retry_ms = (_retry_hint(err) or DEFAULT_RETRY_AFTER_MS) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
+        return GatewayError(code, details or f"{what} rejected the request")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return GatewayError(code, details or f"{what} is overloaded, retry later",
+                            err_code="rate_limit_exceeded", retry_after_ms=retry_ms)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return GatewayError(code, f"{what}: deadline exceeded", err_code="timeout")
+    if code == grpc.StatusCode.CANCELLED:
+        return GatewayError(code, f"{what}: request cancelled")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                grpc.StatusCode.UNIMPLEMENTED):
+        detail = f": {details}" if details else ""
+        return GatewayError(grpc.StatusCode.UNAVAILABLE, f"{what} unavailable{detail}",
+                            err_code="backend_unavailable")
+    return GatewayError(code, details or f"{what} failed ({code.name})")
+
+
+def _retry_hint(err: Any) -> int | None:
+    for getter in ("trailing_metadata", "initial_metadata"):
+        fn = getattr(err, getter, None)
+        if not callable(fn):
+            continue
+        try:
+            md = fn() or ()
+        except Exception:  # noqa: BLE001 - metadata of a failed call may be unavailable
+            continue
+        for key, value in md:
+            if key == RETRY_AFTER_MD:
+                try:
+                    return max(0, int(value))
+                except (TypeError, ValueError):
+                    return None
+    return None

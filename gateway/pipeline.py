@@ -1,0 +1,394 @@
+"""The generation path shared by REST and the public gRPC API.
+
+Both front ends build a `generate_pb2.GenerateRequest` (REST translates its JSON into one), so
+validation, tokenization, steering resolution and the SchedulerEvent -> GenerateResponse
+translation exist once and the two APIs stream the same blocks by construction.
+
+`Pipeline.prepare` turns a public request into a scheduler `SubmitRequest` whose options are all
+resolved (every SamplingOptions field set, max_new_tokens/tokens_per_step/seed chosen), so nothing
+downstream has to know the defaults. `Pipeline.open` starts the scheduler stream and returns a
+`GenerationStream`; closing it cancels the scheduler call (that is how a client disconnect frees
+the request's KV pages).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from cde.rpc.v1 import common_pb2, generate_pb2, scheduler_pb2, steering_pb2
+from cde.steerling.config import SteerlingConfig
+from cde.steerling.tokenizer import Tokenizer, load_tokenizer
+from gateway import schemas as B
+from gateway.backends import Backends
+from gateway.detok import BlockDetokenizer
+from gateway.errors import GatewayError, from_rpc_error, invalid
+from gateway.metrics import GatewayMetrics, RequestTimer
+
+# The model's sampler defaults (cde.steerling.sampling.SamplingParams; a test keeps them equal).
+# Copied rather than imported so the gateway never imports torch.
+DEFAULT_SAMPLING = {"use_entropy_sampling": True, "temperature": 1.2, "top_p": 0.8, "repetition_penalty": 1.1}
+DEFAULT_SEARCH_LIMIT = 20
+
+FINISH_REASON_TEXT = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    common_pb2.FINISH_REASON_ERROR: "error",
+    common_pb2.FINISH_REASON_UNSPECIFIED: "stop",
+}
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """The one model this gateway fronts: its id, config and tokenizer."""
+
+    id: str
+    config: SteerlingConfig
+    tokenizer: Tokenizer
+    created: int
+
+    @classmethod
+    def load(cls, model_dir: str | Path, name: str | None = None) -> ModelCard:
+        path = Path(model_dir)
+        cfg = SteerlingConfig.load(path)
+        tok = load_tokenizer(cfg.tokenizer, path)
+        return cls(name or path.resolve().name, cfg, tok, int(path.stat().st_mtime))
+
+    @property
+    def max_context(self) -> int:
+        return self.config.block_size
+
+    def info(self) -> generate_pb2.ModelInfo:
+        c = self.config
+        return generate_pb2.ModelInfo(id=self.id, diffusion_block_size=c.diff_block_size, max_context=c.block_size,
+                                      n_known_concepts=c.n_known, n_discovered_concepts=c.n_discovered)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 128
+    request_timeout_s: float | None = 600.0   # whole generation; None = no deadline
+    backend_timeout_s: float = 10.0           # unary calls (steering, search, cancel)
+
+
+@dataclass
+class Prepared:
+    submit: scheduler_pb2.SubmitRequest
+    seed: int
+    prompt_tokens: int
+
+
+def _finite_in(x: float, lo: float, hi: float, *, lo_open: bool = False) -> bool:
+    return math.isfinite(x) and (x > lo if lo_open else x >= lo) and x <= hi
+
+
+class Pipeline:
+    def __init__(self, model: ModelCard, backends: Backends, limits: Limits, metrics: GatewayMetrics) -> None:
+        self.model = model
+        self.backends = backends
+        self.limits = limits
+        self.metrics = metrics
+
+    # ---- validation + resolution ----------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name and name != self.model.id:
+            raise GatewayError(grpc.StatusCode.NOT_FOUND,
+                               f"model '{name}' does not exist; this server serves '{self.model.id}'",
+                               param="model", err_code="model_not_found")
+
+    def tokenize(self, req: generate_pb2.GenerateRequest) -> list[int]:
+        tok = self.model.tokenizer
+        kind = req.WhichOneof("input")
+        if kind == "prompt":
+            if not req.prompt:
+                raise invalid("prompt must not be empty", "prompt")
+            return tok.encode(req.prompt)
+        if kind == "chat":
+            if not req.chat.messages:
+                raise invalid("messages must not be empty", "messages")
+            msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+            try:
+                return tok.apply_chat_template(msgs, add_generation_prompt=True)
+            except ValueError as e:
+                raise invalid(str(e), "messages") from None
+        if kind == "token_ids":
+            ids = list(req.token_ids.ids)
+            if not ids:
+                raise invalid("token_ids must not be empty", "prompt")
+            bad = next((i for i in ids if i >= tok.vocab_size or i == tok.mask_id), None)
+            if bad is not None:
+                raise invalid(f"token id {bad} is not a valid prompt token (vocabulary has {tok.vocab_size} ids, "
+                              f"{tok.mask_id} is the mask id)", "prompt")
+            return ids
+        raise invalid("one of prompt, chat or token_ids is required", "prompt")
+
+    def resolve_decode(self, d: common_pb2.DecodeOptions, n_prompt: int) -> common_pb2.DecodeOptions:
+        lim, ctx = self.limits, self.model.max_context
+        room = ctx - n_prompt
+        if d.max_new_tokens:
+            max_new = d.max_new_tokens
+            if max_new > lim.max_tokens_limit:
+                raise invalid(f"max_tokens {max_new} exceeds this server's limit of {lim.max_tokens_limit}", "max_tokens")
+            if max_new > room:
+                raise invalid(f"this model's maximum context length is {ctx} tokens; the request asks for "
+                              f"{n_prompt + max_new} ({n_prompt} in the prompt, {max_new} for the completion)",
+                              "max_tokens", "context_length_exceeded")
+        else:  # unset: the default, shrunk to what the context still holds
+            max_new = min(lim.default_max_tokens, lim.max_tokens_limit, room)
+            if max_new <= 0:
+                raise invalid(f"the prompt ({n_prompt} tokens) fills this model's maximum context of {ctx} tokens",
+                              "prompt", "context_length_exceeded")
+        block = self.model.config.diff_block_size
+        tps = d.tokens_per_step or 1
+        if tps > block:
+            raise invalid(f"tokens_per_step must be in [1, {block}] (the diffusion block size)", "decode.tokens_per_step")
+        if d.isd_stride:
+            raise invalid("decode.stride (introspective strided decoding) is not supported by this model: "
+                          "Steerling is a block-diffusion model", "decode.stride")
+        if d.HasField("confidence_threshold") and not _finite_in(d.confidence_threshold, 0.0, 1.0, lo_open=True):
+            raise invalid("decode.threshold must be in (0, 1]", "decode.threshold")
+        if len(d.stop_ids) > B.MAX_STOP_IDS:
+            raise invalid(f"at most {B.MAX_STOP_IDS} stop ids", "stop_token_ids")
+        vocab = self.model.tokenizer.vocab_size
+        bad = next((i for i in d.stop_ids if i >= vocab), None)
+        if bad is not None:
+            raise invalid(f"stop token id {bad} is outside the vocabulary (size {vocab})", "stop_token_ids")
+        out = common_pb2.DecodeOptions(max_new_tokens=max_new, tokens_per_step=tps,
+                                       seed=d.seed if d.HasField("seed") else secrets.randbits(63),
+                                       stop_ids=list(dict.fromkeys(d.stop_ids)), isd_stride=0)
+        if d.HasField("confidence_threshold"):
+            out.confidence_threshold = d.confidence_threshold
+        return out
+
+    @staticmethod
+    def resolve_sampling(s: common_pb2.SamplingOptions) -> common_pb2.SamplingOptions:
+        """Every field set. A client that sets a temperature wants it used, so temperature
+        without an explicit use_entropy_sampling turns the entropy-adaptive temperature off."""
+        d = DEFAULT_SAMPLING
+        entropy = s.use_entropy_sampling if s.HasField("use_entropy_sampling") else (
+            False if s.HasField("temperature") else d["use_entropy_sampling"])
+        out = common_pb2.SamplingOptions(
+            use_entropy_sampling=entropy,
+            temperature=s.temperature if s.HasField("temperature") else d["temperature"],
+            top_p=s.top_p if s.HasField("top_p") else d["top_p"],
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else d["repetition_penalty"])
+        if not _finite_in(out.temperature, 0.0, B.TEMPERATURE_MAX):
+            raise invalid(f"temperature must be in [0, {B.TEMPERATURE_MAX:g}]", "temperature")
+        if not _finite_in(out.top_p, 0.0, 1.0):
+            raise invalid("top_p must be in [0, 1]", "top_p")
+        if not _finite_in(out.repetition_penalty, 0.0, B.REPETITION_PENALTY_MAX, lo_open=True):
+            raise invalid(f"repetition_penalty must be in (0, {B.REPETITION_PENALTY_MAX:g}]", "repetition_penalty")
+        return out
+
+    def check_steering(self, s: common_pb2.SteeringRequest) -> None:
+        if len(s.concepts) > B.MAX_CONCEPTS:
+            raise invalid(f"at most {B.MAX_CONCEPTS} steering concepts", "steering.concepts")
+        for i, c in enumerate(s.concepts):
+            p = f"steering.concepts[{i}]"
+            ref = c.WhichOneof("ref")
+            if ref is None or (ref == "name" and not c.name.strip()):
+                raise invalid(f"{p} needs an 'id' or a non-empty 'name'", p)
+            if len(c.name) > B.CONCEPT_NAME_MAX:
+                raise invalid(f"{p}.name is longer than {B.CONCEPT_NAME_MAX} characters", f"{p}.name")
+            if c.strength != 0.0 and not _finite_in(c.strength, 0.0, B.STRENGTH_MAX, lo_open=True):
+                raise invalid(f"{p}.strength must be in (0, {B.STRENGTH_MAX:g}]", f"{p}.strength")
+        if s.mode not in common_pb2.SteeringMode.values():
+            raise invalid("steering.mode must be amplify or suppress", "steering.mode")
+        if s.schedule not in common_pb2.SteeringSchedule.values():
+            raise invalid("steering.schedule must be default, fixed or hard_cutoff", "steering.schedule")
+        if s.HasField("target") and not _finite_in(s.target, -B.TARGET_ABS_MAX, B.TARGET_ABS_MAX):
+            raise invalid(f"steering.target must be in [-{B.TARGET_ABS_MAX:g}, {B.TARGET_ABS_MAX:g}]", "steering.target")
+        n_layers = self.model.config.n_layers
+        if s.HasField("inject_layer") and s.inject_layer >= n_layers:
+            raise invalid(f"steering.inject_layer must be in [0, {n_layers - 1}] for this model", "steering.inject_layer")
+        if s.HasField("cutoff_tokens"):
+            if s.cutoff_tokens < 1:
+                raise invalid("steering.cutoff must be at least 1", "steering.cutoff")
+            if s.schedule == common_pb2.STEERING_SCHEDULE_FIXED:
+                raise invalid("steering.cutoff only applies to schedule 'hard_cutoff'", "steering.cutoff")
+
+    async def resolve_steering(self, s: common_pb2.SteeringRequest) -> common_pb2.PreparedSteering | None:
+        if not s.concepts:
+            return None
+        self.check_steering(s)
+        try:
+            return await self.backends.steering.BuildSteering(
+                steering_pb2.BuildSteeringRequest(model=self.model.id, steering=s),
+                timeout=self.limits.backend_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            err = from_rpc_error(e, "steering service")
+            if err.code == grpc.StatusCode.NOT_FOUND:
+                refs = [c.name if c.WhichOneof("ref") == "name" else f"#{c.concept_id}" for c in s.concepts]
+                detail = e.details() or ""
+                named = any(r.lower() in detail.lower() for r in refs)
+                err.message = f"unknown steering concept: {detail}" + ("" if named else f" (requested: {', '.join(refs)})")
+                err.param, err.err_code = "steering.concepts", "concept_not_found"
+            elif err.code == grpc.StatusCode.INVALID_ARGUMENT:
+                err.param = "steering"
+            raise err from None
+
+    async def prepare(self, req: generate_pb2.GenerateRequest) -> Prepared:
+        self.check_model(req.model)
+        prompt = self.tokenize(req)
+        decode = self.resolve_decode(req.decode, len(prompt))
+        sampling = self.resolve_sampling(req.sampling)
+        if req.attribution not in common_pb2.AttributionMode.values():
+            raise invalid("attribution must be none, tokens, chunks or all", "attribution")
+        top_k = req.attribution_top_k or B.DEFAULT_ATTRIBUTION_TOP_K
+        if top_k > B.ATTRIBUTION_TOP_K_MAX:
+            raise invalid(f"attribution_top_k must be in [1, {B.ATTRIBUTION_TOP_K_MAX}]", "attribution_top_k")
+        steering = await self.resolve_steering(req.steering) if req.HasField("steering") else None
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=req.request_id or uuid.uuid4().hex, model=self.model.id, prompt_tokens=prompt,
+            decode=decode, sampling=sampling, attribution=req.attribution, attribution_top_k=top_k,
+            stream_steps=req.stream_steps)
+        if steering is not None:
+            submit.steering.CopyFrom(steering)
+        return Prepared(submit, decode.seed, len(prompt))
+
+    # ---- streams ----------------------------------------------------------------------------
+    def _timeout(self, client_remaining: float | None) -> float | None:
+        t = self.limits.request_timeout_s
+        if client_remaining is not None:
+            t = client_remaining if t is None else min(t, client_remaining)
+        return t
+
+    def open(self, prepared: Prepared, timer: RequestTimer | None = None,
+             client_remaining: float | None = None) -> GenerationStream:
+        call = self.backends.scheduler.Submit(prepared.submit, timeout=self._timeout(client_remaining))
+        self.metrics.prompt_tokens.labels(self.model.id).inc(prepared.prompt_tokens)
+        return GenerationStream(call, BlockDetokenizer(self.model.tokenizer, prepared.submit.decode.stop_ids),
+                                timer or self.metrics.request(), prepared.seed, prepared.prompt_tokens)
+
+    def resume(self, req: common_pb2.ResumeRequest, client_remaining: float | None = None) -> GenerationStream:
+        if not req.request_id:
+            raise invalid("request_id is required", "request_id")
+        call = self.backends.scheduler.Resume(req, timeout=self._timeout(client_remaining))
+        return GenerationStream(call, BlockDetokenizer(self.model.tokenizer), self.metrics.request(), 0, 0)
+
+    # ---- unary ------------------------------------------------------------------------------
+    async def cancel(self, request_id: str) -> common_pb2.CancelResponse:
+        if not request_id:
+            raise invalid("request_id is required", "request_id")
+        try:
+            return await self.backends.scheduler.Cancel(common_pb2.CancelRequest(request_id=request_id),
+                                                        timeout=self.limits.backend_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "scheduler") from None
+
+    async def search_concepts(self, req: common_pb2.SearchConceptsRequest) -> common_pb2.SearchConceptsResponse:
+        self.check_model(req.model)
+        if not req.query.strip():
+            raise invalid("a search query is required", "q")
+        if req.limit > B.SEARCH_LIMIT_MAX:
+            raise invalid(f"limit must be in [1, {B.SEARCH_LIMIT_MAX}]", "limit")
+        fwd = common_pb2.SearchConceptsRequest(query=req.query.strip(), limit=req.limit or DEFAULT_SEARCH_LIMIT,
+                                               known_only=req.known_only, model=self.model.id)
+        try:
+            return await self.backends.steering.SearchConcepts(fwd, timeout=self.limits.backend_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "steering service") from None
+
+    def list_models(self) -> generate_pb2.ListModelsResponse:
+        return generate_pb2.ListModelsResponse(models=[self.model.info()])
+
+
+@dataclass
+class GenerationStream:
+    """One scheduler call, read as public GenerateResponse events.
+
+    `next()` returns None after Finished. Errors from the scheduler surface as GatewayError at
+    the `next()` that hits them; front ends pull the first event before answering so that an
+    admission refusal still becomes a proper status (429, 404, ...) and not a broken stream.
+    """
+
+    call: grpc.aio.UnaryStreamCall
+    detok: BlockDetokenizer
+    timer: RequestTimer
+    seed: int
+    prompt_tokens: int
+    done: bool = False
+    finish_reason: str | None = None
+    _closed: bool = field(default=False)
+
+    def __post_init__(self) -> None:
+        self.timer.metrics.in_flight.labels(self.timer.metrics.model).inc()
+
+    async def next(self) -> generate_pb2.GenerateResponse | None:
+        if self.done:
+            return None
+        try:
+            ev = await self.call.read()
+        except grpc.aio.AioRpcError as e:
+            self.done = True
+            raise from_rpc_error(e, "scheduler") from None
+        if ev is grpc.aio.EOF:
+            self.done = True
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream before the request finished",
+                               err_code="backend_unavailable")
+        return self._translate(ev)
+
+    def _translate(self, ev: scheduler_pb2.SchedulerEvent) -> generate_pb2.GenerateResponse:
+        kind = ev.WhichOneof("event")
+        if kind == "accepted":
+            acc = common_pb2.Accepted()
+            acc.CopyFrom(ev.accepted)
+            acc.seed = acc.seed or self.seed
+            acc.prompt_tokens = acc.prompt_tokens or self.prompt_tokens
+            self.seed, self.prompt_tokens = acc.seed, acc.prompt_tokens
+            return generate_pb2.GenerateResponse(accepted=acc)
+        if kind == "step":
+            self.timer.step(len(ev.step.tokens))
+            return generate_pb2.GenerateResponse(step=ev.step)
+        if kind == "block":
+            b = ev.block
+            res = self.detok.feed(b.tokens)
+            self.timer.block(len(res.tokens))
+            return generate_pb2.GenerateResponse(block=generate_pb2.BlockEvent(
+                block_index=b.block_index, start=b.start, tokens=res.tokens, text=res.text,
+                token_attributions=b.token_attributions, chunk_attributions=b.chunk_attributions))
+        if kind == "finished":
+            self.done = True
+            fin = common_pb2.Finished()
+            fin.CopyFrom(ev.finished)
+            if not fin.HasField("usage") or not (fin.usage.completion_tokens or fin.usage.prompt_tokens):
+                fin.usage.prompt_tokens = fin.usage.prompt_tokens or self.prompt_tokens
+                fin.usage.completion_tokens = fin.usage.completion_tokens or self.detok.n_tokens
+            self.finish_reason = FINISH_REASON_TEXT.get(fin.reason, "stop")
+            self.timer.finished(self.finish_reason)
+            return generate_pb2.GenerateResponse(finished=fin)
+        raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"scheduler sent an unknown event {kind!r}")
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> generate_pb2.GenerateResponse:
+        ev = await self.next()
+        if ev is None:
+            raise StopAsyncIteration
+        return ev
+
+    def finish_early(self, reason: str) -> None:
+        """The front end ended the request itself (a stop string matched): record it, cancel upstream."""
+        if not self.done:
+            self.finish_reason = reason
+            self.timer.finished(reason)
+        self.close()
+
+    def close(self) -> None:
+        """Cancel the scheduler call if it is still open (idempotent; safe from finally blocks)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.done = True
+        self.timer.metrics.in_flight.labels(self.timer.metrics.model).dec()
+        if not self.call.done():
+            self.call.cancel()
+

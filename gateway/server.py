@@ -1,0 +1,176 @@
+"""Run REST (uvicorn) and the public gRPC server in one process, on one asyncio loop.
+
+`serve(settings)` starts both and returns a `GatewayHandle` (ports, app, `stop()`), so a
+launcher or a test can run the gateway in-process; `python -m gateway` wraps it with signals.
+A background task polls the backends and flips the gateway's own grpc.health.v1 status, so a
+compose health check on the gateway means "the whole chain can serve".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import grpc
+import uvicorn
+from fastapi import FastAPI
+
+from cde.rpc import make_server, service_name
+from cde.rpc.v1 import generate_pb2, generate_pb2_grpc
+from gateway.app import build_app
+from gateway.auth import ApiKeyAuth, load_api_keys
+from gateway.backends import Backends
+from gateway.grpc_api import GenerationService
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import Limits, ModelCard, Pipeline
+
+log = logging.getLogger("gateway")
+
+
+@dataclass
+class GatewaySettings:
+    """Every knob, with its CLI flag (`--http-port`) and env fallback (`CDE_HTTP_PORT`)."""
+
+    model_dir: str = "models/steerling-tiny"
+    model_name: str = ""                  # "" = the model directory's name
+    host: str = "127.0.0.1"
+    http_port: int = 8000                 # 0 = any free port (tests)
+    grpc_port: int = 50050                # 0 = any free port; -1 = no public gRPC server
+    scheduler: str = "127.0.0.1:50051"
+    steering: str = "127.0.0.1:50061"
+    api_keys_file: str = ""
+    api_keys: str = ""                    # comma-separated (CDE_API_KEYS)
+    rate_limit_rpm: float = 0.0           # per API key; 0 = unlimited
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 128
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float = 600.0      # whole generation; 0 = none
+    health_interval_s: float = 2.0
+    log_level: str = "info"
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> GatewaySettings:
+        """CLI values win, then CDE_<FIELD> environment variables, then the defaults."""
+        env = os.environ if env is None else env
+        kw: dict[str, Any] = {}
+        for f in fields(cls):
+            v = values.get(f.name)
+            if v is None and f"CDE_{f.name.upper()}" in env:
+                v = env[f"CDE_{f.name.upper()}"]
+            if v is not None:
+                kw[f.name] = type(f.default)(v)
+        return cls(**kw)
+
+
+@dataclass
+class GatewayHandle:
+    settings: GatewaySettings
+    app: FastAPI
+    pipeline: Pipeline
+    http_port: int
+    grpc_port: int | None
+    _uvicorn: uvicorn.Server
+    _uvicorn_task: asyncio.Task[None]
+    _grpc: grpc.aio.Server | None
+    _monitor: asyncio.Task[None] | None
+    _stopped: bool = field(default=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.settings.host}:{self.http_port}"
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        self._uvicorn.should_exit = True  # uvicorn drains its connections (up to 5 s) meanwhile
+
+        async def http_done() -> None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._uvicorn_task
+
+        await asyncio.gather(http_done(), *([self._grpc.stop(grace_s)] if self._grpc is not None else []))
+        await self.pipeline.backends.close()
+
+    async def wait(self) -> None:
+        """Until uvicorn exits (e.g. stop() from elsewhere)."""
+        await asyncio.shield(self._uvicorn_task)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the process owner (launcher, __main__) decides."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def build_pipeline(s: GatewaySettings, backends: Backends) -> Pipeline:
+    model = ModelCard.load(s.model_dir, s.model_name or None)
+    limits = Limits(max_tokens_limit=s.max_tokens_limit, default_max_tokens=s.default_max_tokens,
+                    request_timeout_s=s.request_timeout_s or None)
+    return Pipeline(model, backends, limits, GatewayMetrics(model.id))
+
+
+async def _monitor(pipeline: Pipeline, health: Any, interval_s: float) -> None:
+    last: bool | None = None
+    while True:
+        try:
+            r = await pipeline.backends.readiness()
+            pipeline.metrics.update_from_stats(r.stats)
+            if r.ready != last:
+                await health.set_serving(r.ready)
+                log.info("backends %s: %s", "ready" if r.ready else "not ready", r.stages)
+                last = r.ready
+        except Exception:  # noqa: BLE001 - keep monitoring; a dead monitor would freeze health
+            log.exception("readiness check failed")
+        await asyncio.sleep(interval_s)
+
+
+async def serve(settings: GatewaySettings | Any) -> GatewayHandle:
+    """Start REST + gRPC on the running loop; returns once both accept connections."""
+    s = settings if isinstance(settings, GatewaySettings) else GatewaySettings.from_mapping(vars(settings))
+    if s.max_tokens_limit < 1 or s.max_body_bytes < 1024:
+        raise ValueError("max_tokens_limit must be >= 1 and max_body_bytes >= 1024")
+    auth = ApiKeyAuth(load_api_keys(s.api_keys_file or None, s.api_keys or None), s.rate_limit_rpm)
+    backends = Backends.open(s.scheduler, s.steering)
+    pipeline = build_pipeline(s, backends)
+    app = build_app(pipeline, auth=auth, max_body_bytes=s.max_body_bytes)
+
+    grpc_server, grpc_port, monitor = None, None, None
+    if s.grpc_port >= 0:
+        name = service_name(generate_pb2, "Generation")
+        grpc_server, health = await make_server([name], max_message_bytes=max(s.max_body_bytes, 4 << 20))
+        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(pipeline, auth), grpc_server)
+        grpc_port = grpc_server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        if grpc_port == 0:
+            raise OSError(f"cannot bind the gRPC port {s.host}:{s.grpc_port}")
+        await grpc_server.start()
+        monitor = asyncio.create_task(_monitor(pipeline, health, s.health_interval_s))
+
+    config = uvicorn.Config(app, host=s.host, port=s.http_port, lifespan="off", log_level=s.log_level,
+                            timeout_graceful_shutdown=5, access_log=False)
+    server = _Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():  # bind failure etc.
+            if grpc_server is not None:
+                await grpc_server.stop(0)
+            if monitor is not None:
+                monitor.cancel()
+            await backends.close()
+            exc = task.exception() if not task.cancelled() else None
+            raise RuntimeError(f"HTTP server failed to start on {s.host}:{s.http_port}") from exc
+        await asyncio.sleep(0.01)
+    http_port = server.servers[0].sockets[0].getsockname()[1]
+    log.info("gateway for %s: REST http://%s:%d, gRPC %s:%s", pipeline.model.id, s.host, http_port, s.host, grpc_port)
+    return GatewayHandle(s, app, pipeline, http_port, grpc_port, server, task, grpc_server, monitor)
