@@ -1,0 +1,115 @@
+"""Client side of attribution_svc: one Attribute stream per request, round-robin over replicas.
+
+The service keeps a request's still-open chunk for the life of its stream, so a stream
+that breaks is reopened on the next replica and first fed the request's earlier blocks
+again (their answers are dropped): chunks may span blocks and must see all of them.
+If no replica answers, the block goes out without attributions rather than stalling
+generation (logged); the raw records are still stored with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+
+from cde.rpc import channel_options
+from cde.rpc.v1 import attribution_pb2, attribution_pb2_grpc, common_pb2
+
+log = logging.getLogger("scheduler_svc.attribution")
+
+CALL_TIMEOUT_S = 30.0
+
+
+class AttributionPool:
+    """Channels to the attribution replicas, handed out round-robin."""
+
+    def __init__(self, addresses: Sequence[str]):
+        self.addresses = [a for a in addresses if a]
+        self._channels = [grpc.aio.insecure_channel(a, options=channel_options()) for a in self.addresses]
+        self._stubs = [attribution_pb2_grpc.AttributionStub(c) for c in self._channels]
+        self._next = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._stubs)
+
+    def next_stub(self) -> attribution_pb2_grpc.AttributionStub:
+        return self._stubs[next(self._next) % len(self._stubs)]
+
+    async def close(self) -> None:
+        for c in self._channels:
+            await c.close()
+
+
+def context_tokens(tokens: Sequence[int], stop_ids: set[int]) -> list[int]:
+    """The block's tokens from its start, cut before the first stop token."""
+    out: list[int] = []
+    for t in tokens:
+        if t in stop_ids:
+            break
+        out.append(t)
+    return out
+
+
+class AttributionSession:
+    """One request's Attribute stream. ``history()`` returns the blocks already stored (to
+    replay into a reopened stream)."""
+
+    def __init__(self, pool: AttributionPool, request_id: str, model: str, mode: int, top_k: int,
+                 stop_ids: set[int], history: Callable[[], Awaitable[list[common_pb2.BlockCommitted]]]):
+        self.pool = pool
+        self.request_id = request_id
+        self.model = model
+        self.mode = mode
+        self.top_k = top_k
+        self.stop_ids = stop_ids
+        self.history = history
+        self._call = None
+
+    def _request(self, block: common_pb2.BlockCommitted, last: bool) -> attribution_pb2.AttributeRequest:
+        return attribution_pb2.AttributeRequest(
+            request_id=self.request_id, model=self.model, block_index=block.block_index, mode=self.mode,
+            top_k=self.top_k, records=block.records, start=block.start,
+            context_tokens=context_tokens(block.tokens, self.stop_ids), last=last)
+
+    async def _exchange(self, req: attribution_pb2.AttributeRequest) -> attribution_pb2.AttributeResponse:
+        await self._call.write(req)
+        resp = await asyncio.wait_for(self._call.read(), CALL_TIMEOUT_S)
+        if resp is grpc.aio.EOF or resp.block_index != req.block_index:
+            raise RuntimeError(f"attribution stream answered {resp!r} for block {req.block_index}")
+        return resp
+
+    async def _open(self) -> None:
+        self._call = self.pool.next_stub().Attribute()
+        for old in await self.history():   # rebuild the open chunk's state on the new stream
+            await self._exchange(self._request(old, False))
+
+    async def attribute(self, block: common_pb2.BlockCommitted, last: bool) -> attribution_pb2.AttributeResponse | None:
+        for attempt in range(len(self.pool) + 1):
+            try:
+                if self._call is None:
+                    await self._open()
+                return await self._exchange(self._request(block, last))
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, RuntimeError) as e:
+                log.warning("attribution for %s block %d failed (attempt %d): %s", self.request_id,
+                            block.block_index, attempt + 1, e)
+                self._drop()
+        log.error("attribution unavailable: %s block %d goes out without attributions", self.request_id,
+                  block.block_index)
+        return None
+
+    def _drop(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    async def close(self) -> None:
+        if self._call is not None:
+            try:
+                await asyncio.wait_for(self._call.done_writing(), 1.0)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, Exception):
+                pass
+            self._drop()

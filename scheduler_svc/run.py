@@ -1,0 +1,479 @@
+"""One request's life in the scheduler: wait for a slot, place it on a worker, stream from
+the worker, persist each block exactly once, attach attributions, fan events out to the
+streams attached to it, and re-place it from its last committed block when its worker dies.
+
+A `RequestRun` is a task of its own, independent of any client stream: Submit and Resume
+streams *subscribe* to it. A subscriber first reads the stored blocks from Redis, then the
+live ones from its queue, skipping indices it already has; a block is stored before it
+is published, so nothing falls between the two. When the last subscriber leaves early
+the request is cancelled (after an optional grace period, so a client may reconnect).
+
+Everything needed to pick the request up again lives in Redis: the spec (the SubmitRequest
+as protobuf JSON, with the seed the scheduler chose and the absolute deadline), the stored
+blocks (the final BlockCommitted protos, attributions included, so a replay is identical;
+`next_step` in the last one says where the worker's step counter stood), and the final
+Finished message under `{prefix}end:{id}`. A task cancelled without a cancel request
+(scheduler shutdown) leaves Redis untouched for the next instance to recover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import redis.exceptions
+from google.protobuf import json_format
+
+from cde.rpc.v1 import common_pb2, scheduler_pb2, worker_pb2
+from scheduler_svc.attribution import AttributionSession
+from scheduler_svc.state import CANCELLED, FAILED, FINISHED, RUNNING, RequestState
+
+if TYPE_CHECKING:
+    from scheduler_svc.service import SchedulerCore
+    from scheduler_svc.workers import WorkerHandle
+
+log = logging.getLogger("scheduler_svc.run")
+
+SPEC_VERSION = 1
+BLOCK = 64   # cde.v1: block_index = start / 64 (page = diffusion block = attention tile)
+# The worker refused the request itself: retrying elsewhere cannot help.
+REQUEST_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED,
+                            grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
+_REASON_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+            CANCELLED: common_pb2.FINISH_REASON_CANCELLED}
+
+
+# ---- spec ---------------------------------------------------------------------------------------
+
+def encode_spec(request: scheduler_pb2.SubmitRequest, deadline: float | None) -> str:
+    return json.dumps({"v": SPEC_VERSION, "deadline": deadline,
+                       "submit": json_format.MessageToDict(request, preserving_proto_field_name=True)},
+                      separators=(",", ":"))
+
+
+def decode_spec(spec: str) -> tuple[scheduler_pb2.SubmitRequest, float | None]:
+    d = json.loads(spec)
+    if d.get("v") != SPEC_VERSION:
+        raise ValueError(f"unknown spec version {d.get('v')!r}")
+    return json_format.ParseDict(d["submit"], scheduler_pb2.SubmitRequest()), d.get("deadline")
+
+
+def first_block(request: scheduler_pb2.SubmitRequest) -> int:
+    """Absolute index of the request's first generated block. Redis numbers a request's
+    blocks from 0 (``RequestStore.append_block``); the wire uses absolute indices."""
+    return len(request.prompt_tokens) // BLOCK
+
+
+def stored_after(request: scheduler_pb2.SubmitRequest, after_block: int) -> int:
+    """The Redis ``after`` argument for blocks with absolute index > after_block."""
+    return max(-1, after_block - first_block(request))
+
+
+def accepted(request: scheduler_pb2.SubmitRequest) -> scheduler_pb2.SchedulerEvent:
+    return scheduler_pb2.SchedulerEvent(accepted=common_pb2.Accepted(
+        request_id=request.request_id, prompt_tokens=len(request.prompt_tokens), seed=request.decode.seed))
+
+
+def stored_finished(st: RequestState, saved: bytes | None) -> common_pb2.Finished:
+    """The request's Finished message: as saved, else rebuilt from its status."""
+    if saved:
+        return common_pb2.Finished.FromString(saved)
+    if st.status == FAILED:
+        return common_pb2.Finished(reason=common_pb2.FINISH_REASON_ERROR, message=st.error or "")
+    if st.status == CANCELLED:
+        return common_pb2.Finished(reason=common_pb2.FINISH_REASON_CANCELLED)
+    return common_pb2.Finished(reason=_REASONS.get(st.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED))
+
+
+# ---- fan-out ------------------------------------------------------------------------------------
+
+@dataclass
+class End:
+    """The last item a subscriber gets: a Finished event, or a status to abort with."""
+    finished: common_pb2.Finished | None = None
+    code: grpc.StatusCode | None = None
+    message: str = ""
+
+
+class Subscriber:
+    def __init__(self, steps: bool):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.steps = steps
+
+
+class DeadlinePassed(Exception):
+    pass
+
+
+class Outcome(enum.Enum):
+    DONE = 1      # the request reached an end (published)
+    REPLACE = 2   # place it again (worker lost, or a transient refusal)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+class RequestRun:
+    def __init__(self, core: SchedulerCore, request: scheduler_pb2.SubmitRequest, deadline: float | None):
+        self.core = core
+        self.request = request
+        self.rid = request.request_id
+        self.deadline = deadline
+        self.subscribers: set[Subscriber] = set()
+        self.had_subscriber = False
+        self.task: asyncio.Task | None = None
+        self.done = False
+        self.started = time.monotonic()
+        self.worker: WorkerHandle | None = None
+        self.has_slot = False
+        self.first_block = first_block(request)
+        self.next_block = 0            # next block Redis expects (numbered from 0 per request)
+        self.published_upto = -1       # highest absolute block index published to subscribers
+        self.avoid: set[str] = set()   # workers that failed this request (tried last)
+        self._cancel_reason: str | None = None
+        self._lost_worker: str | None = None
+        self._call = None
+        self._last_worker: WorkerHandle | None = None
+        stops = set(request.decode.stop_ids)
+        self.session = None
+        if core.attribution is not None and request.attribution != common_pb2.ATTRIBUTION_NONE:
+            self.session = AttributionSession(core.attribution, self.rid, request.model, request.attribution,
+                                              request.attribution_top_k, stops, self._stored_blocks)
+
+    # ---- subscribers --------------------------------------------------------------------------
+    def subscribe(self, steps: bool) -> Subscriber:
+        sub = Subscriber(steps)
+        self.subscribers.add(sub)
+        self.had_subscriber = True
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        self.subscribers.discard(sub)
+        if self.subscribers or self.done or self.core.closing:
+            return
+        grace = self.core.opts.detach_grace_s
+        if grace <= 0:
+            self.cancel("client gone")
+        else:
+            asyncio.get_running_loop().call_later(
+                grace, lambda: None if self.subscribers else self.cancel("client gone"))
+
+    def _publish(self, event: scheduler_pb2.SchedulerEvent, step: bool = False) -> None:
+        for sub in self.subscribers:
+            if sub.steps or not step:
+                sub.queue.put_nowait(event)
+
+    def _publish_block(self, block: common_pb2.BlockCommitted) -> None:
+        if block.block_index > self.published_upto:
+            self.published_upto = block.block_index
+            self._publish(scheduler_pb2.SchedulerEvent(block=block))
+
+    def _end(self, end: End) -> None:
+        self.done = True
+        for sub in self.subscribers:
+            sub.queue.put_nowait(end)
+
+    # ---- control ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._main(), name=f"run-{self.rid}")
+
+    def cancel(self, reason: str) -> bool:
+        """Cancel the request (Redis, worker, subscribers). False if it already ended."""
+        if self.done:
+            return False
+        if self._cancel_reason is None and self.task is not None:
+            self._cancel_reason = reason
+            # Not task.cancel() right here: a task that has not taken its first step yet would
+            # die without running _main's handlers. Callbacks run in order, so by the time this
+            # one runs the task is parked at its first await.
+            asyncio.get_running_loop().call_soon(self._cancel_task)
+        return True
+
+    def _cancel_task(self) -> None:
+        if not self.done and self.task is not None:
+            self.task.cancel()
+
+    def worker_lost(self, worker_id: str) -> None:
+        """The pool declared our worker dead: abandon its stream (the run re-places itself)."""
+        if self.worker is not None and self.worker.worker_id == worker_id and self._call is not None:
+            self._lost_worker = worker_id
+            self._call.cancel()
+
+    async def wait(self, timeout: float) -> None:
+        if self.task is not None:
+            await asyncio.wait({self.task}, timeout=timeout)
+
+    # ---- the task -----------------------------------------------------------------------------
+    async def _main(self) -> None:
+        try:
+            try:
+                await self._drive()
+            except DeadlinePassed:
+                await self._cancelled("deadline exceeded")
+        except asyncio.CancelledError:
+            if self._cancel_reason is None:
+                raise   # scheduler shutdown: Redis keeps the request for the next instance
+            asyncio.current_task().uncancel()
+            await asyncio.shield(self._cancelled(self._cancel_reason))
+        except redis.exceptions.RedisError as e:
+            log.error("request %s: Redis failed (%s); left for recovery", self.rid, e)
+            self._end(End(code=grpc.StatusCode.UNAVAILABLE, message=f"request state unavailable: {e}"))
+        except Exception as e:  # a bug: fail the request loudly rather than hang its clients
+            log.exception("request %s failed in the scheduler", self.rid)
+            await self._give_up(grpc.StatusCode.INTERNAL, f"scheduler error: {e!r}")
+        finally:
+            self.done = True
+            if self.has_slot:
+                self.core.slots.release()
+                self.has_slot = False
+            if self.core.runs.get(self.rid) is self:
+                del self.core.runs[self.rid]
+            self.core.admission.observe(time.monotonic() - self.started)
+            if self.session is not None:
+                await self.session.close()
+
+    def _time_left(self) -> float | None:
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.time()
+        if left <= 0:
+            raise DeadlinePassed()
+        return left
+
+    async def _acquire_slot(self) -> None:
+        try:
+            await asyncio.wait_for(self.core.slots.acquire(), self._time_left())
+        except asyncio.TimeoutError:
+            raise DeadlinePassed() from None
+        self.has_slot = True
+
+    async def _drive(self) -> None:
+        store = self.core.store
+        await self._acquire_slot()
+        opts = self.core.opts
+        pages = -(-(len(self.request.prompt_tokens) + self.request.decode.max_new_tokens) // BLOCK)
+        failures = 0
+        while True:
+            st = await store.get(self.rid)
+            if st is None or st.terminal:
+                await self._end_from_store(st)
+                return
+            if st.status == RUNNING:   # an attempt nobody streams any more (e.g. before a restart)
+                await store.requeue(self.rid)
+                failures += 1
+                if failures > opts.max_attempts:
+                    await self._give_up(grpc.StatusCode.UNAVAILABLE, "could not take the request over")
+                    return
+                continue
+            wait = opts.queue_timeout_s
+            left = self._time_left()
+            worker = await self.core.pool.wait_for(self.request.model, self.avoid,
+                                                   wait if left is None else min(wait, left))
+            if worker is None:
+                self._time_left()
+                if self.request.model and self.core.pool.live():
+                    await self._give_up(grpc.StatusCode.NOT_FOUND, f"no worker serves model {self.request.model!r}")
+                else:
+                    await self._give_up(grpc.StatusCode.UNAVAILABLE, f"no worker available within {wait:g}s")
+                return
+            if not await store.claim(self.rid, worker.worker_id):
+                continue   # cancelled meanwhile (seen above next round) or claimed by another instance
+            st = await store.get(self.rid)
+            if st is None or st.status != RUNNING or st.worker != worker.worker_id:
+                continue
+            worker.placed_pages += pages
+            worker.runs.add(self)
+            self.worker = self._last_worker = worker
+            try:
+                outcome = await self._stream(worker, st)
+            finally:
+                worker.runs.discard(self)
+                self.worker = None
+            if outcome is Outcome.DONE:
+                return
+            failures += 1
+            if failures > opts.max_attempts:
+                await self._give_up(grpc.StatusCode.UNAVAILABLE, f"gave up after {failures} lost or failed placements")
+                return
+            await store.requeue(self.rid, worker.worker_id)
+            await asyncio.sleep(min(0.05 * failures, 1.0))
+
+    # ---- one placement ----------------------------------------------------------------------------
+    async def _stored_blocks(self) -> list[common_pb2.BlockCommitted]:
+        return [common_pb2.BlockCommitted.FromString(p) for _, p in await self.core.store.blocks(self.rid)]
+
+    async def _stream(self, worker: WorkerHandle, st: RequestState) -> Outcome:
+        blocks = await self._stored_blocks()
+        self.next_block = st.next_block
+        for b in blocks:   # a subscriber may have missed these if an earlier attempt was interrupted
+            self._publish_block(b)
+        # The attribution service must know which block is the generation's last; only the
+        # worker's next event says so (Finished follows at once), so with attributions on we
+        # hold each block until the worker's next event and ask the worker for step events
+        # (the next block's first step comes two engine steps later).
+        peek = self.session is not None
+        r = self.request
+        submit = worker_pb2.WorkerSubmit(
+            request_id=self.rid, prompt_tokens=r.prompt_tokens,
+            committed_tokens=[t for b in blocks for t in b.tokens],
+            next_step=blocks[-1].next_step if blocks else 0, decode=r.decode, sampling=r.sampling,
+            stream_steps=r.stream_steps or peek)
+        if r.HasField("steering"):
+            submit.steering.CopyFrom(r.steering)
+        call = worker.stub.Submit(submit, timeout=self._time_left())
+        self._call, self._lost_worker = call, None
+        pending: common_pb2.BlockCommitted | None = None
+        try:
+            while True:
+                ev = await call.read()
+                if ev is grpc.aio.EOF:
+                    break
+                kind = ev.WhichOneof("event")
+                if pending is not None:
+                    if not await self._commit(pending, kind == "finished", st.attempt):
+                        return await self._ownership_lost()
+                    pending = None
+                if kind == "step":
+                    if r.stream_steps:
+                        self._publish(scheduler_pb2.SchedulerEvent(step=ev.step), step=True)
+                elif kind == "block":
+                    if peek:
+                        pending = ev.block
+                    elif not await self._commit(ev.block, False, st.attempt):
+                        return await self._ownership_lost()
+                elif kind == "finished":
+                    return await self._finished(ev.finished, st.attempt)
+            return await self._worker_failed(worker, "stream ended without Finished")
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code in REQUEST_FAULTS:
+                await self._give_up(code, e.details() or code.name)
+                return Outcome.DONE
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlinePassed() from None
+            if code == grpc.StatusCode.ALREADY_EXISTS:   # its previous attempt is still winding down there
+                self.avoid.add(worker.worker_id)
+                return Outcome.REPLACE
+            return await self._worker_failed(worker, f"{code.name}: {e.details()}")
+        except asyncio.CancelledError:
+            if self._lost_worker == worker.worker_id and not asyncio.current_task().cancelling():
+                return Outcome.REPLACE   # declared dead by the pool, which requeued the request
+            raise
+        finally:
+            self._call = None
+            if not call.done():
+                call.cancel()
+
+    async def _worker_failed(self, worker: WorkerHandle, why: str) -> Outcome:
+        log.warning("request %s: stream from worker %s failed: %s", self.rid, worker.worker_id, why)
+        if await self.core.pool.probe(worker):
+            self.avoid.add(worker.worker_id)
+        else:
+            await self.core.pool.declare_dead(worker.worker_id, why)
+        return Outcome.REPLACE
+
+    async def _ownership_lost(self) -> Outcome:
+        """Redis refused our append: the request ended, or was requeued under us."""
+        st = await self.core.store.get(self.rid)
+        if st is None or st.terminal:
+            await self._end_from_store(st)
+            return Outcome.DONE
+        return Outcome.REPLACE
+
+    async def _commit(self, block: common_pb2.BlockCommitted, last: bool, attempt: int) -> bool:
+        """Attribute, store exactly once, publish. False when the request is no longer ours."""
+        stored_index = block.block_index - self.first_block
+        if stored_index < self.next_block:
+            return True   # already stored by an earlier attempt
+        if self.session is not None:
+            resp = await self.session.attribute(block, last)
+            if resp is not None:
+                block.token_attributions.extend(resp.token_attributions)
+                block.chunk_attributions.extend(resp.chunk_attributions)
+        result = await self.core.store.append_block(self.rid, stored_index, block.SerializeToString(),
+                                                    len(block.tokens), attempt)
+        if result == "stored":
+            self.next_block = stored_index + 1
+            self._publish_block(block)
+            return True
+        if result == "duplicate":
+            return True
+        if result == "not_running":
+            return False
+        raise RuntimeError(f"block {block.block_index} is out of order (Redis expects "
+                           f"{self.first_block + self.next_block})")
+
+    async def _finished(self, fin: common_pb2.Finished, attempt: int) -> Outcome:
+        store = self.core.store
+        if fin.reason == common_pb2.FINISH_REASON_CANCELLED:   # cancelled at the worker directly
+            await self._cancelled(fin.message or "cancelled by the worker")
+            return Outcome.DONE
+        if fin.reason == common_pb2.FINISH_REASON_ERROR:
+            ok = await store.fail(self.rid, fin.message or "worker error", attempt)
+        else:
+            ok = await store.finish(self.rid, _REASON_NAMES.get(fin.reason, "stop"), attempt)
+        if not ok:
+            return await self._ownership_lost()
+        await self._save_end(fin)
+        self._end(End(finished=fin))
+        return Outcome.DONE
+
+    # ---- endings ----------------------------------------------------------------------------------
+    async def _save_end(self, fin: common_pb2.Finished) -> None:
+        """Record how the request ended, for replays. Called right after the terminal
+        transition succeeded, so the first ending wins (NX) and it expires with the request."""
+        await self.core.store.redis.set(self.core.end_key(self.rid), fin.SerializeToString(),
+                                        ex=self.core.store.finished_ttl_s, nx=True)
+
+    async def _flush_stored(self) -> None:
+        """Publish stored blocks a subscriber has not had (an interrupted commit)."""
+        for _, payload in await self.core.store.blocks(self.rid, stored_after(self.request, self.published_upto)):
+            self._publish_block(common_pb2.BlockCommitted.FromString(payload))
+
+    async def _end_from_store(self, st: RequestState | None) -> None:
+        if st is None:
+            self._end(End(code=grpc.StatusCode.NOT_FOUND, message=f"request {self.rid!r} expired"))
+            return
+        await self._flush_stored()
+        saved = await self.core.store.redis.get(self.core.end_key(self.rid))
+        self._end(End(finished=stored_finished(st, saved)))
+
+    async def _cancelled(self, reason: str) -> None:
+        store = self.core.store
+        fin = common_pb2.Finished(reason=common_pb2.FINISH_REASON_CANCELLED, message=reason)
+        if await store.cancel(self.rid):
+            await self._save_end(fin)
+        else:
+            st = await store.get(self.rid)
+            if st is not None and st.status in (FINISHED, FAILED):   # it ended first: report that
+                await self._end_from_store(st)
+                return
+        w = self._last_worker
+        if w is not None and not w.dead:   # the closed stream cancels too; this frees pages sooner
+            try:
+                await w.stub.Cancel(common_pb2.CancelRequest(request_id=self.rid), timeout=1.0)
+            except grpc.aio.AioRpcError:
+                pass
+        log.info("request %s cancelled: %s", self.rid, reason)
+        await self._flush_stored()
+        self._end(End(finished=fin))
+
+    async def _give_up(self, code: grpc.StatusCode, message: str) -> None:
+        """End the request with an error status for live subscribers (Finished ERROR on replay)."""
+        store = self.core.store
+        log.warning("request %s failed: %s %s", self.rid, code.name, message)
+        try:
+            # still queued: cancelled is its only way out of the queue
+            if await store.fail(self.rid, message) or await store.cancel(self.rid):
+                await self._save_end(common_pb2.Finished(reason=common_pb2.FINISH_REASON_ERROR, message=message))
+        except redis.exceptions.RedisError as e:
+            log.error("request %s: could not record the failure: %s", self.rid, e)
+        self._end(End(code=code, message=message))

@@ -1,0 +1,435 @@
+"""The scheduler's gRPC face: cde.v1.Scheduler.
+
+Submit: admit or refuse (RESOURCE_EXHAUSTED, trailing metadata ``retry-after-ms``), record
+the request in Redis, start its `RequestRun` (scheduler_svc/run.py) and stream its events.
+A request id that already exists attaches to it instead (idempotent submit = Resume from
+the first block). Resume replays from Redis and then follows the live run. Workers
+register and heartbeat here (scheduler_svc/workers.py).
+
+Restart: the scheduler holds nothing Redis cannot rebuild. At start, and every
+``sweep_s`` after, every queued request and every running one that no run of this
+instance streams is taken over (running ones go back to the queue first: their worker
+stream died with the previous instance) and re-placed from its last stored block. This
+assumes one scheduler instance per Redis prefix.
+
+`start_scheduler()` returns a running `SchedulerServer`; health is NOT_SERVING until Redis
+answers and the takeover sweep ran. `serve()` is the CLI's blocking loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from cde.rpc import make_server, service_name
+from cde.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.admission import Admission
+from scheduler_svc.attribution import AttributionPool
+from scheduler_svc.run import (End, RequestRun, Subscriber, accepted, decode_spec, encode_spec, stored_after,
+                               stored_finished)
+from scheduler_svc.state import RequestStore, _check_id
+from scheduler_svc.workers import WorkerPool
+
+log = logging.getLogger("scheduler_svc")
+
+DEFAULT_PORT = 50051
+POLL_S = 0.1   # Resume of a request no run here streams: how often to look at Redis
+
+
+@dataclass
+class SchedulerOptions:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    attribution: list[str] = field(default_factory=list)   # host:port of each replica
+    max_running: int = 64
+    max_queue: int = 64
+    finished_ttl_s: int = 3600
+    heartbeat_ms: int = 1000
+    dead_after: float = 3.0          # heartbeat intervals without a beat before a worker is dead
+    queue_timeout_s: float = 30.0    # how long a request waits for any worker before UNAVAILABLE
+    max_attempts: int = 8            # lost/failed placements before a request fails
+    detach_grace_s: float = 0.0      # after the last client stream leaves, before cancelling
+    prefix: str = "cde:"
+    sweep_s: float = 10.0
+
+
+class SchedulerCore:
+    """What the servicer and the runs share. Only caches: Redis holds the truth."""
+
+    def __init__(self, opts: SchedulerOptions, redis_client: aioredis.Redis):
+        self.opts = opts
+        self.redis = redis_client
+        self.store = RequestStore(redis_client, prefix=opts.prefix, finished_ttl_s=opts.finished_ttl_s)
+        self.pool = WorkerPool(self.store, opts.heartbeat_ms, opts.dead_after)
+        self.pool.on_requeued = self.adopt_many
+        self.attribution = AttributionPool(opts.attribution) if opts.attribution else None
+        self.admission = Admission(opts.max_running, opts.max_queue)
+        self.slots = asyncio.Semaphore(opts.max_running)
+        self.runs: dict[str, RequestRun] = {}
+        self.ready = asyncio.Event()
+        self.closing = False
+        self.started = time.monotonic()
+
+    def end_key(self, request_id: str) -> str:
+        return f"{self.opts.prefix}end:{request_id}"
+
+    # ---- takeover -----------------------------------------------------------------------------------
+    async def adopt(self, request_id: str) -> RequestRun | None:
+        """Start a run for a request in Redis that no run of this instance streams."""
+        if request_id in self.runs or self.closing:
+            return self.runs.get(request_id)
+        st = await self.store.get(request_id)
+        if st is None or st.terminal or request_id in self.runs:
+            return self.runs.get(request_id)
+        try:
+            request, deadline = decode_spec(st.spec)
+        except ValueError as e:
+            log.error("request %s has an unreadable spec (%s): cancelling it", request_id, e)
+            await self.store.cancel(request_id)
+            return None
+        run = RequestRun(self, request, deadline)
+        self.runs[request_id] = run
+        run.start()
+        log.info("took over request %s (%s, block %d)", request_id, st.status, st.next_block)
+        return run
+
+    async def adopt_many(self, ids: list[str]) -> None:
+        for rid in ids:
+            await self.adopt(rid)
+
+    async def _running_ids(self) -> list[str]:
+        prefix = self.store.running_key("")
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
+        ids: set[str] = set()
+        async for key in self.redis.scan_iter(match=pattern, count=1000):
+            ids.update(m.decode() for m in await self.redis.smembers(key))
+        return sorted(ids)
+
+    async def sweep(self) -> None:
+        """Take over queued requests and running ones nobody here streams."""
+        for rid in await self._running_ids():
+            if rid not in self.runs:
+                await self.store.requeue(rid)
+                await self.adopt(rid)
+        for rid in await self.store.queued_ids():
+            if rid not in self.runs:
+                await self.adopt(rid)
+
+    # ---- background ---------------------------------------------------------------------------------
+    async def run_background(self, health) -> None:
+        """Wait for Redis, take over, go SERVING; then watch workers and Redis."""
+        backoff = 0.1
+        while True:
+            try:
+                await self.redis.ping()
+                await self.pool.refresh_from_redis()
+                await self.sweep()
+                break
+            except (redis.exceptions.RedisError, OSError) as e:
+                log.warning("Redis not reachable (%s); retrying in %.1fs", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+        self.ready.set()
+        await health.set_serving(True)
+        log.info("scheduler ready")
+        interval = self.opts.heartbeat_ms / 1000
+        last_sweep = time.monotonic()
+        serving = True
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.redis.ping()
+                if not serving:
+                    await health.set_serving(True)
+                    serving = True
+                # let workers beat once more after our own restart before judging them
+                if time.monotonic() - self.started > self.opts.dead_after * interval:
+                    await self.pool.check_stale()
+                if time.monotonic() - last_sweep > self.opts.sweep_s:
+                    last_sweep = time.monotonic()
+                    await self.pool.refresh_from_redis()
+                    await self.sweep()
+            except (redis.exceptions.RedisError, OSError) as e:
+                log.warning("Redis check failed: %s", e)
+                if serving:
+                    await health.set_serving(False)
+                    serving = False
+
+    async def shutdown(self) -> None:
+        """Stop streaming; requests stay in Redis for the next instance."""
+        self.closing = True
+        runs = [r.task for r in self.runs.values() if r.task is not None]
+        for t in runs:
+            t.cancel()
+        if runs:
+            await asyncio.wait(runs, timeout=5)
+        await self.pool.close()
+        if self.attribution is not None:
+            await self.attribution.close()
+
+
+def _redis_guard(method):
+    """Redis down -> UNAVAILABLE (not UNKNOWN) for a unary RPC handler."""
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except redis.exceptions.RedisError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request state unavailable: {e}")
+    return wrapper
+
+
+def _redis_guard_stream(method):
+    """Redis down -> UNAVAILABLE for a server-streaming RPC handler."""
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            async for ev in method(self, request, context):
+                yield ev
+        except redis.exceptions.RedisError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request state unavailable: {e}")
+    return wrapper
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, core: SchedulerCore):
+        self.core = core
+
+    async def _ready(self, context) -> None:
+        if not self.core.ready.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is starting (waiting for Redis)")
+
+    @staticmethod
+    async def _check_id(context, request_id: str) -> None:
+        try:
+            _check_id("request id", request_id)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    # ---- requests -----------------------------------------------------------------------------------
+    @_redis_guard_stream
+    async def Submit(self, request, context):
+        await self._ready(context)
+        core = self.core
+        rid = request.request_id
+        await self._check_id(context, rid)
+        if not request.prompt_tokens:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must not be empty")
+        if rid not in core.runs and await core.store.get(rid) is None:
+            retry_ms = core.admission.retry_after_ms(len(core.runs))
+            if retry_ms is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"scheduler is full ({len(core.runs)} requests); retry after {retry_ms} ms",
+                                    trailing_metadata=(("retry-after-ms", str(retry_ms)),))
+            req = scheduler_pb2.SubmitRequest()
+            req.CopyFrom(request)
+            if not req.decode.HasField("seed"):   # resuming elsewhere must draw the same numbers
+                req.decode.seed = int.from_bytes(os.urandom(8), "little") >> 1
+            remaining = context.time_remaining()
+            deadline = time.time() + remaining if remaining is not None else None
+            run = RequestRun(core, req, deadline)
+            core.runs[rid] = run   # no await since the admission check: the count stays exact
+            sub = run.subscribe(req.stream_steps)
+            try:
+                created = await core.store.create(rid, encode_spec(req, deadline), len(req.prompt_tokens))
+            except BaseException:
+                core.runs.pop(rid, None)
+                raise
+            if created:
+                run.start()
+                try:
+                    yield accepted(req)
+                    async for ev in self._follow(sub, -1, context):
+                        yield ev
+                finally:
+                    run.unsubscribe(sub)
+                return
+            if core.runs.get(rid) is run:   # raced with another Submit of the same id
+                del core.runs[rid]
+        async for ev in self._attach(rid, None, request.stream_steps, context):
+            yield ev
+
+    @_redis_guard_stream
+    async def Resume(self, request, context):
+        await self._ready(context)
+        await self._check_id(context, request.request_id)
+        after = request.after_block if request.HasField("after_block") else None
+        async for ev in self._attach(request.request_id, after, False, context):
+            yield ev
+
+    async def _follow(self, sub: Subscriber, last: int, context):
+        """A subscriber's live events; blocks up to ``last`` were already sent."""
+        while True:
+            item = await sub.queue.get()
+            if isinstance(item, End):
+                if item.code is not None:
+                    await context.abort(item.code, item.message)
+                yield scheduler_pb2.SchedulerEvent(finished=item.finished)
+                return
+            if item.HasField("block"):
+                if item.block.block_index <= last:
+                    continue
+                last = item.block.block_index
+            yield item
+
+    async def _attach(self, rid: str, after: int | None, steps: bool, context):
+        """Accepted, stored blocks after ``after``, then live ones until the end."""
+        core = self.core
+        run = core.runs.get(rid)
+        sub = run.subscribe(steps) if run is not None and not run.done else None   # before reading Redis
+        try:
+            st = await core.store.get(rid)
+            if st is None and run is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request {rid!r}")
+            request = run.request if run is not None else decode_spec(st.spec)[0]
+            yield accepted(request)
+            last = -1 if after is None else after   # absolute block index
+            while True:
+                for _, payload in await core.store.blocks(rid, stored_after(request, last)):
+                    block = common_pb2.BlockCommitted.FromString(payload)
+                    last = block.block_index
+                    yield scheduler_pb2.SchedulerEvent(block=block)
+                if sub is not None:
+                    async for ev in self._follow(sub, last, context):
+                        yield ev
+                    return
+                if st is not None and st.terminal:
+                    yield scheduler_pb2.SchedulerEvent(finished=await self._stored_finished(st))
+                    return
+                await asyncio.sleep(POLL_S)   # streamed elsewhere (another instance): follow Redis
+                run = core.runs.get(rid)
+                if run is not None and not run.done:
+                    sub = run.subscribe(steps)
+                st = await core.store.get(rid)
+                if st is None:
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid!r} expired")
+        finally:
+            if sub is not None:
+                run.unsubscribe(sub)
+
+    async def _stored_finished(self, st) -> common_pb2.Finished:
+        saved = None
+        for _ in range(10):   # the end record follows the terminal transition by one round trip
+            saved = await self.core.redis.get(self.core.end_key(st.id))
+            if saved:
+                break
+            await asyncio.sleep(0.05)
+        return stored_finished(st, saved)
+
+    @_redis_guard
+    async def Cancel(self, request, context):
+        await self._ready(context)
+        rid = request.request_id
+        await self._check_id(context, rid)
+        run = self.core.runs.get(rid)
+        if run is not None and not run.done:
+            ok = run.cancel("cancelled by request")
+            await run.wait(5.0)
+            return common_pb2.CancelResponse(cancelled=ok)
+        if await self.core.store.get(rid) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request {rid!r}")
+        return common_pb2.CancelResponse(cancelled=await self.core.store.cancel(rid))
+
+    # ---- workers ------------------------------------------------------------------------------------
+    @_redis_guard
+    async def RegisterWorker(self, request, context):
+        await self._ready(context)
+        if not request.worker_id or not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
+        try:
+            await self.core.pool.register(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return scheduler_pb2.WorkerAck(heartbeat_interval_ms=self.core.opts.heartbeat_ms)
+
+    @_redis_guard
+    async def Heartbeat(self, request, context):
+        await self._ready(context)
+        try:
+            known = await self.core.pool.heartbeat(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not known:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"worker {request.worker_id!r} is not registered")
+        return scheduler_pb2.WorkerAck(heartbeat_interval_ms=self.core.opts.heartbeat_ms)
+
+    async def Stats(self, request, context):
+        runs = list(self.core.runs.values())
+        running = sum(1 for r in runs if r.worker is not None)
+        return scheduler_pb2.StatsResponse(running=running, waiting=len(runs) - running,
+                                           workers=self.core.pool.stats())
+
+
+# ---- server -------------------------------------------------------------------------------------------
+
+@dataclass
+class SchedulerServer:
+    server: grpc.aio.Server
+    health: object
+    core: SchedulerCore
+    port: int
+    background: asyncio.Task
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        await asyncio.wait_for(self.core.ready.wait(), timeout)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stop serving; running requests stay in Redis and a new instance takes them over."""
+        if self.core.closing:
+            return
+        self.core.closing = True
+        self.background.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.background
+        await self.health.set_serving(False)
+        await self.server.stop(grace)
+        await self.core.shutdown()
+        await self.core.redis.aclose()
+
+
+async def start_scheduler(opts: SchedulerOptions) -> SchedulerServer:
+    client = aioredis.Redis.from_url(opts.redis_url, socket_timeout=10, socket_connect_timeout=5)
+    core = SchedulerCore(opts, client)
+    server, health = await make_server([service_name(scheduler_pb2, "Scheduler")])
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), server)
+    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    if port == 0:
+        raise RuntimeError(f"could not bind {opts.host}:{opts.port}")
+    await server.start()
+    background = asyncio.get_running_loop().create_task(core.run_background(health), name="scheduler-background")
+    log.info("scheduler on %s:%d (Redis %s, attribution %s)", opts.host, port, opts.redis_url,
+             ",".join(opts.attribution) or "none")
+    return SchedulerServer(server, health, core, port, background)
+
+
+def options_from_args(args: argparse.Namespace) -> SchedulerOptions:
+    return SchedulerOptions(
+        host=args.host, port=args.port, redis_url=args.redis_url,
+        attribution=[a.strip() for a in (args.attribution or "").split(",") if a.strip()],
+        max_running=args.max_running, max_queue=args.max_queue, finished_ttl_s=args.finished_ttl,
+        heartbeat_ms=args.heartbeat_ms, queue_timeout_s=args.queue_timeout, detach_grace_s=args.detach_grace,
+        prefix=args.prefix)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Run until SIGTERM/SIGINT."""
+    sched = await start_scheduler(options_from_args(args))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await sched.stop(args.grace)

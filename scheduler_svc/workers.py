@@ -1,0 +1,177 @@
+"""The set of workers, discovered at run time: registration, heartbeats, placement, death.
+
+Redis (``RequestStore`` workers hash) is the record: a restarted scheduler reads the
+workers back from it and keeps dialling them; memory only holds channels and the latest
+heartbeat figures. A worker is dead when its heartbeat is older than ``dead_after``
+intervals, or when a request stream to it fails and a cheap Info probe cannot reach it.
+Death removes it from Redis (if it is in fact alive its next heartbeat is answered
+NOT_FOUND and it registers again), interrupts the streams of its requests here and moves
+every request recorded on it back to the queue.
+
+Placement: among live workers serving the request's model, the one with the most free KV
+pages, where "free" is the last heartbeat's figure minus the pages of the requests placed
+on it since that heartbeat (so a burst does not all land on the same worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import json_format
+
+from cde.rpc import channel_options
+from cde.rpc.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
+from scheduler_svc.state import RequestStore
+
+log = logging.getLogger("scheduler_svc.workers")
+
+PROBE_TIMEOUT_S = 1.0
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    worker_id: str
+    info: scheduler_pb2.WorkerInfo
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    placed_pages: int = 0              # pages placed here since the last heartbeat
+    runs: set = field(default_factory=set)  # RequestRuns streaming from it (this instance)
+    dead: bool = False
+    probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    probed_at: float = 0.0
+    probe_ok: bool = True
+
+    @property
+    def free_pages(self) -> int:
+        return int(self.info.kv_pages_free) - self.placed_pages
+
+
+class WorkerPool:
+    def __init__(self, store: RequestStore, heartbeat_ms: int, dead_after: float = 3.0):
+        self.store = store
+        self.heartbeat_ms = heartbeat_ms
+        self.dead_after_s = dead_after * heartbeat_ms / 1000
+        self.workers: dict[str, WorkerHandle] = {}
+        self.changed = asyncio.Condition()
+        # called with the ids moved back to the queue from a dead worker (adopt orphans)
+        self.on_requeued: Callable[[list[str]], Awaitable[None]] | None = None
+
+    # ---- registry ---------------------------------------------------------------------------
+    def _handle(self, info: scheduler_pb2.WorkerInfo) -> WorkerHandle:
+        h = self.workers.get(info.worker_id)
+        if h is not None and h.info.address == info.address and not h.dead:
+            h.info = info
+            return h
+        if h is not None:
+            asyncio.get_running_loop().create_task(h.channel.close(grace=None))
+        channel = grpc.aio.insecure_channel(info.address, options=channel_options())
+        h = WorkerHandle(info.worker_id, info, channel, worker_pb2_grpc.WorkerStub(channel))
+        self.workers[info.worker_id] = h
+        return h
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def register(self, info: scheduler_pb2.WorkerInfo) -> None:
+        await self.store.register_worker(info.worker_id, json_format.MessageToDict(
+            info, preserving_proto_field_name=True))
+        self._handle(info).placed_pages = 0
+        log.info("worker %s registered at %s (%s, %d pages free)", info.worker_id, info.address, info.model,
+                 info.kv_pages_free)
+        await self._notify()
+
+    async def heartbeat(self, info: scheduler_pb2.WorkerInfo) -> bool:
+        """False when the worker is unknown (dropped as dead, or Redis lost it): it must register."""
+        if not await self.store.heartbeat(info.worker_id):
+            return False
+        self._handle(info).placed_pages = 0
+        await self._notify()
+        return True
+
+    async def refresh_from_redis(self) -> None:
+        """Pick up workers registered in Redis that this instance has not heard from (after a
+        restart): their heartbeats go to Redis through any scheduler."""
+        for wid, rec in (await self.store.workers()).items():
+            if wid in self.workers:
+                continue
+            info = json_format.ParseDict(rec.get("info", {}), scheduler_pb2.WorkerInfo(), ignore_unknown_fields=True)
+            if info.address:
+                self._handle(info)
+        await self._notify()
+
+    def live(self, model: str = "") -> list[WorkerHandle]:
+        return [h for h in self.workers.values() if not h.dead and (not model or h.info.model == model)]
+
+    # ---- placement ------------------------------------------------------------------------------
+    def pick(self, model: str, avoid: set[str]) -> WorkerHandle | None:
+        cands = self.live(model)
+        preferred = [h for h in cands if h.worker_id not in avoid] or cands
+        if not preferred:
+            return None
+        return max(preferred, key=lambda h: (h.free_pages, -len(h.runs), h.worker_id))
+
+    async def wait_for(self, model: str, avoid: set[str], timeout_s: float) -> WorkerHandle | None:
+        """The best worker for ``model``, waiting up to ``timeout_s`` for one to appear."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            h = self.pick(model, avoid)
+            left = deadline - time.monotonic()
+            if h is not None or left <= 0:
+                return h
+            async with self.changed:
+                try:
+                    await asyncio.wait_for(self.changed.wait(), min(left, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+            if not self.live(model):   # restarted scheduler, workers only in Redis so far
+                await self.refresh_from_redis()
+
+    # ---- death ----------------------------------------------------------------------------------
+    async def probe(self, h: WorkerHandle) -> bool:
+        """Is the worker reachable? One Info call, shared by everyone asking within a second."""
+        async with h.probe_lock:
+            if h.dead:
+                return False
+            if time.monotonic() - h.probed_at < 1.0:
+                return h.probe_ok
+            try:
+                await h.stub.Info(worker_pb2.WorkerStatusRequest(), timeout=PROBE_TIMEOUT_S)
+                h.probe_ok = True
+            except grpc.aio.AioRpcError:
+                h.probe_ok = False
+            h.probed_at = time.monotonic()
+            return h.probe_ok
+
+    async def declare_dead(self, worker_id: str, why: str) -> None:
+        h = self.workers.pop(worker_id, None)
+        if h is not None:
+            h.dead = True
+            for run in list(h.runs):
+                run.worker_lost(worker_id)
+        if not await self.store.remove_worker(worker_id) and h is None:
+            return   # someone got here first
+        log.warning("worker %s is dead (%s): re-placing its requests", worker_id, why)
+        moved = await self.store.requeue_worker(worker_id)
+        if moved and self.on_requeued is not None:
+            await self.on_requeued(moved)
+        if h is not None:
+            asyncio.get_running_loop().call_later(5.0, lambda: asyncio.ensure_future(h.channel.close(grace=None)))
+        await self._notify()
+
+    async def check_stale(self) -> None:
+        for wid in await self.store.stale_workers(self.dead_after_s):
+            await self.declare_dead(wid, f"no heartbeat for {self.dead_after_s:.1f}s")
+
+    def stats(self) -> list[scheduler_pb2.WorkerInfo]:
+        return [h.info for h in sorted(self.workers.values(), key=lambda h: h.worker_id)]
+
+    async def close(self) -> None:
+        for h in self.workers.values():
+            await h.channel.close(grace=None)
+        self.workers.clear()

@@ -1,0 +1,60 @@
+"""CLI: python -m worker_svc --model-dir DIR [--host H] [--port P] [--scheduler HOST:PORT]
+[--worker-id ID] [--device cpu|cuda] [--dtype float32|bfloat16] [--compile] [--cuda-graphs]
+[--kv-pages N].
+
+Environment fallbacks: CDE_MODEL_DIR, CDE_WORKER_HOST, CDE_WORKER_PORT, CDE_SCHEDULER,
+CDE_WORKER_ID, CDE_WORKER_ADVERTISE, CDE_MODEL_NAME, CDE_DEVICE, CDE_DTYPE, CDE_COMPILE=1,
+CDE_CUDA_GRAPHS=1, CDE_KV_PAGES, CDE_LOG_LEVEL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+
+from worker_svc.service import DEFAULT_PORT, serve
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="python -m worker_svc", description="cde.v1.Worker: the engine behind gRPC")
+    ap.add_argument("--model-dir", default=env("CDE_MODEL_DIR"), help="config.json + checkpoint (env CDE_MODEL_DIR)")
+    ap.add_argument("--model-name", default=env("CDE_MODEL_NAME", ""), help="default: the model directory's name")
+    ap.add_argument("--host", default=env("CDE_WORKER_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(env("CDE_WORKER_PORT", DEFAULT_PORT)))
+    ap.add_argument("--advertise", default=env("CDE_WORKER_ADVERTISE", ""),
+                    help="host:port the scheduler dials (default --host:--port)")
+    ap.add_argument("--scheduler", default=env("CDE_SCHEDULER", ""), help="scheduler host:port to register with")
+    ap.add_argument("--worker-id", default=env("CDE_WORKER_ID", ""),
+                    help="stable id (default hostname-port)")
+    ap.add_argument("--device", default=env("CDE_DEVICE", "cpu"), choices=("cpu", "cuda"))
+    ap.add_argument("--dtype", default=env("CDE_DTYPE", "float32"), choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--compile", action="store_true", default=_flag("CDE_COMPILE"))
+    ap.add_argument("--cuda-graphs", action="store_true", default=_flag("CDE_CUDA_GRAPHS"))
+    ap.add_argument("--kv-pages", type=int, default=int(env("CDE_KV_PAGES", 0)) or None,
+                    help="KV pages (default: from free GPU memory; 256 on the CPU)")
+    ap.add_argument("--max-slots", type=int, default=int(env("CDE_MAX_SLOTS", 64)))
+    ap.add_argument("--grace", type=float, default=5.0, help="seconds to drain calls on SIGTERM/SIGINT")
+    args = ap.parse_args(argv)
+    if not args.model_dir:
+        ap.error("--model-dir (or CDE_MODEL_DIR) is required")
+    if not args.worker_id:
+        args.worker_id = f"{socket.gethostname()}-{args.port}"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=os.environ.get("CDE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
