@@ -222,6 +222,15 @@ def attribute_block(tables: AttributionTables, catalog: ConceptCatalog, state: S
     if state.next_start is not None and start != state.next_start:
         raise RecordsError(f"block starts at {start}, expected {state.next_start} (the previous block's end)")
     records = records_from_proto(request.records, cfg, start, block_end)
+    # <|eot_id|> turns every later position into EOS, including positions committed in earlier
+    # steps (the reference generator does the same): their records describe tokens that are not
+    # in the output, so they are dropped rather than attributed.
+    overwritten = [i for i, pos in enumerate(records.positions.tolist())
+                   if pos < start + len(context) and context[pos - start] == cfg.eos_id
+                   and records.tokens[i].item() != cfg.eos_id]
+    if overwritten:
+        keep = torch.tensor(sorted(set(range(len(records))) - set(overwritten)), dtype=torch.long)
+        records = RawRecords(*(getattr(records, f)[keep] for f in RawRecords.__dataclass_fields__))
     for pos, tok in zip(records.positions.tolist(), records.tokens.tolist()):
         if pos < start + len(context) and context[pos - start] != tok:
             raise RecordsError(f"position {pos}: record token {tok} differs from context token {context[pos - start]}")

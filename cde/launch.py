@@ -81,6 +81,7 @@ class Stack:
         redis_url = os.environ.get("REDIS_URL")
         if not redis_url:
             self.redis = EmbeddedRedis(data_dir=self.run_dir / "redis", aof=True, appendfsync="everysec")
+            self.redis.start()
             redis_url = self.redis.url
         print(f"redis      {redis_url}", flush=True)
         model = str(Path(a.model_dir).resolve())

@@ -1,0 +1,222 @@
+"""The whole system as real processes (cde.launch): embedded Redis, steering, attribution,
+scheduler, worker and gateway on loopback, tiny model on the CPU."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import grpc
+import httpx
+import pytest
+import redis
+import torch
+
+from cde.launch import Stack
+from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from cde.steerling.attribution import RawRecords, token_attribution, model_lookups
+from cde.steerling.loading import load_model
+from cde.launch import DEFAULT_MODEL
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    args = argparse.Namespace(model_dir=str(DEFAULT_MODEL), device="cpu", workers=1, host="127.0.0.1",
+                              http_port=0, run_dir=str(tmp_path_factory.mktemp("stack")), timeout=240.0)
+    from cde.redis_util import free_port
+    args.http_port = free_port()
+    s = Stack(args)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(DEFAULT_MODEL)
+
+
+def sse(resp: httpx.Response) -> list[dict]:
+    out = []
+    lines = [line for line in resp.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        out.append(json.loads(line[5:]))
+    return out
+
+
+def chat_body(**extra):
+    body = {"model": "steerling-tiny", "messages": [{"role": "user", "content": "Tell me about the sea."}],
+            "max_tokens": 70, "seed": 7, "stream": True, "stream_options": {"include_usage": True}}
+    body.update(extra)
+    return body
+
+
+def reconstruct_and_check(model, prompt_len: int, steps: list[dict], token_attrs: list[dict], prompt: list[int]):
+    """Replay the engine's own trajectory (step events) through the model package and check each
+    token's logit and its concept terms against the served attributions."""
+    cfg = model.cfg
+    gen_end = prompt_len + 70
+    seq = torch.tensor(prompt + [cfg.mask_id] * 70)
+    state_at = {}
+    for s in steps:
+        for p in s["positions"]:
+            state_at[p] = seq.clone()
+        for p, t in zip(s["positions"], s["tokens"]):
+            seq[p] = t
+    lookups = model_lookups(model)
+    checked = 0
+    with torch.no_grad():
+        for ta in token_attrs:
+            p = ta["position"]
+            state = state_at[p]
+            end = min((p // 64 + 1) * 64, gen_end)
+            out = model(state[:end][None])
+            ref_logit = float(out.logits[p, ta["token"]])
+            assert abs(ref_logit - ta["target_logit"]) <= 1e-4 * max(1.0, abs(ref_logit))
+            rec = RawRecords(torch.tensor([p]), torch.tensor([ta["token"]]), out.logits[p:p + 1, ta["token"]],
+                             out.known_idx[p:p + 1], out.known_logits[p:p + 1],
+                             out.disc_idx[p:p + 1], out.disc_logits[p:p + 1])
+            ref = token_attribution(rec, *lookups)
+            served_sum = sum(c["score"] for c in ta["top"])
+            ref_sum = float(ref.known_contrib.sum() + ref.disc_contrib.sum())
+            assert abs(served_sum - ref_sum) <= 1e-3
+            assert abs(served_sum + ta["residual"] - ta["target_logit"]) <= 1e-4 * max(1.0, abs(ta["target_logit"]))
+            checked += 1
+    return checked
+
+
+def test_streamed_chat_with_steering_and_attribution_matches_the_model_package(stack, model):
+    url = stack.base_url
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", f"{url}/v1/chat/completions", json=chat_body(
+                attribution="all", attribution_top_k=64, stream_mode="steps")) as r:
+            assert r.status_code == 200, r.read()
+            plain = sse(r)
+        with client.stream("POST", f"{url}/v1/chat/completions", json=chat_body(
+                attribution="chunks", steering={"concepts": [{"name": "ocean"}], "mode": "amplify"})) as r:
+            assert r.status_code == 200
+            steered = sse(r)
+    steps = [e["cde"] for e in plain if e.get("object") == "cde.step"]
+    blocks = [e["cde"] for e in plain if e.get("cde", {}).get("token_attributions")]
+    token_attrs = [t for b in blocks for t in b["token_attributions"]]
+    usage = [e["usage"] for e in plain if e.get("usage")][-1]
+    assert usage["completion_tokens"] > 0 and steps and token_attrs
+    assert sum(len(s["positions"]) for s in steps) >= len(token_attrs)
+    prompt = plain[0]["cde"]["prompt_tokens"]
+    from cde.steerling.tokenizer import ByteTokenizer
+    prompt_ids = ByteTokenizer().apply_chat_template([{"role": "user", "content": "Tell me about the sea."}])
+    assert prompt == len(prompt_ids)
+    assert reconstruct_and_check(model, prompt, steps, token_attrs, prompt_ids) == len(token_attrs)
+
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in plain if c.get("choices"))
+    steered_text = "".join(c["choices"][0]["delta"].get("content") or "" for c in steered if c.get("choices"))
+    assert steered_text != text            # same seed, steering changed the output
+    chunks = [c for e in steered for c in (e.get("cde") or {}).get("chunk_attributions", [])]
+    assert chunks and all(c["top"] and c["top"][0]["label"].startswith(("Known:", "Discovered:")) for c in chunks)
+
+
+def test_grpc_generate_mirrors_rest(stack):
+    port = stack.ports["gateway_grpc"]
+    body = chat_body(attribution="tokens", stream=False)
+    with httpx.Client(timeout=120) as client:
+        rest = client.post(f"{stack.base_url}/v1/chat/completions", json=body).json()
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            req = generate_pb2.GenerateRequest(
+                model="steerling-tiny", chat=generate_pb2.ChatMessages(messages=[
+                    generate_pb2.ChatMessage(role="user", content="Tell me about the sea.")]),
+                decode=common_pb2.DecodeOptions(max_new_tokens=70, seed=7),
+                attribution=common_pb2.ATTRIBUTION_TOKENS)
+            return [ev async for ev in stub.Generate(req, timeout=120)]
+
+    events = asyncio.run(run())
+    text = "".join(e.block.text for e in events if e.HasField("block"))
+    assert text == rest["choices"][0]["message"]["content"]
+    n_attr = sum(len(e.block.token_attributions) for e in events if e.HasField("block"))
+    assert n_attr == rest["usage"]["completion_tokens"] or n_attr > 0
+    assert events[-1].HasField("finished")
+
+
+def test_unmodified_openai_client(stack):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    models = client.models.list()
+    assert any(m.id == "steerling-tiny" for m in models.data)
+    c = client.completions.create(model="steerling-tiny", prompt="Once upon a time", max_tokens=20, seed=1)
+    assert c.choices[0].finish_reason in ("stop", "length") and c.usage.completion_tokens > 0
+    chat = client.chat.completions.create(model="steerling-tiny", max_tokens=20, seed=1,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert isinstance(chat.choices[0].message.content, str)
+    parts = list(client.chat.completions.create(model="steerling-tiny", max_tokens=20, seed=1, stream=True,
+                                                messages=[{"role": "user", "content": "hi"}]))
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
+    streamed = list(client.completions.create(model="steerling-tiny", prompt="Once upon a time", max_tokens=20,
+                                              seed=1, stream=True))
+    assert "".join(p.choices[0].text for p in streamed if p.choices) == c.choices[0].text
+
+
+def test_sixteen_concurrent_streams_complete_and_blocks_are_stored_once(stack):
+    async def one(client, i):
+        body = chat_body(seed=100 + i, max_tokens=65 + i)
+        async with client.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[5:]) async for line in r.aiter_lines()
+                      if line.startswith("data:") and line != "data: [DONE]"]
+        rid = events[0]["cde"]["request_id"]
+        blocks = [e["cde"]["block_index"] for e in events if "block_index" in (e.get("cde") or {})]
+        finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+        return rid, blocks, finish
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    results = asyncio.run(run())
+    r = redis.Redis.from_url(stack.redis.url if stack.redis else __import__("os").environ["REDIS_URL"])
+    for rid, blocks, finish in results:
+        assert finish and finish[-1] in ("stop", "length")
+        assert blocks == sorted(set(blocks))                     # in order, none repeated
+        stored = r.hgetall(f"cde:req:{rid}:blocks")
+        assert len(stored) == len(blocks)                        # each committed block stored once
+        assert sorted(int(k) for k in stored) == list(range(len(blocks)))
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"model": "steerling-tiny", "prompt": ""}, 400),
+    ({"model": "steerling-tiny", "prompt": "x", "max_tokens": 0}, 400),
+    ({"model": "steerling-tiny", "prompt": "x", "max_tokens": 10**6}, 400),
+    ({"model": "steerling-tiny", "prompt": "x", "steering": {"concepts": [{"name": "no-such-concept"}]}}, 404),
+    ({"model": "steerling-tiny", "prompt": "x", "steering": {"concepts": [{"name": "ocean", "strength": 1e6}]}}, 400),
+    ({"model": "steerling-tiny", "prompt": "x", "max_tokens": "ten"}, 422),
+    ({"model": "steerling-tiny", "prompt": "x", "steering": {"concepts": "ocean"}}, 422),
+    ({"model": "no-such-model", "prompt": "x"}, 404),
+])
+def test_bad_input_gets_openai_style_errors_and_services_stay_healthy(stack, body, status):
+    with httpx.Client(timeout=60) as client:
+        r = client.post(f"{stack.base_url}/v1/completions", json=body)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["message"] and "type" in err
+        assert client.get(f"{stack.base_url}/health").status_code == 200
+
+
+def test_malformed_and_oversized_bodies(stack):
+    with httpx.Client(timeout=60) as client:
+        r = client.post(f"{stack.base_url}/v1/completions", content=b"{not json",
+                        headers={"Content-Type": "application/json"})
+        assert r.status_code in (400, 422) and "error" in r.json()
+        r = client.post(f"{stack.base_url}/v1/completions", content=b'{"prompt": "' + b"a" * 2_000_000 + b'"}',
+                        headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "error" in r.json()
+        assert client.get(f"{stack.base_url}/health").status_code == 200
+        metrics = client.get(f"{stack.base_url}/metrics").text
+        assert "cde:num_requests_running" in metrics
