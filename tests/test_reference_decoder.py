@@ -96,6 +96,8 @@ def test_never_emits_banned_or_padding_ids(model):
 
 
 def test_records_hold_the_raw_logit_of_the_committed_token(model):
+    model = SteerlingModel(TINY.replace(eot_id=None)).eval()   # no <|eot_id|>: the last step is the 64th
+    model.load_state_dict(SteerlingModel(TINY).init_random(7, std=0.05).state_dict())
     res = generate(model, list(range(64)), DecodeOptions(64, seed=1), tokenizer_vocab_size=VOCAB)
     rec = res.records
     # recompute the forward that committed the last token and compare its raw logit
@@ -162,3 +164,12 @@ def test_streaming_topk_equals_dense_topk():
             ref_v, ref_i = dense.topk(11)
             assert torch.equal(idx, ref_i)
             assert torch.allclose(lg, ref_v, atol=1e-5)
+
+
+def test_counter_uniform_streams_and_steps_do_not_collide():
+    step = torch.arange(64)
+    pos = torch.zeros(64, dtype=torch.long)
+    seed = torch.full((64,), 5)
+    draws = {s: counter_uniform(seed, pos, step, stream=s) for s in range(8)}
+    flat = torch.cat(list(draws.values()))
+    assert flat.unique().numel() == flat.numel()

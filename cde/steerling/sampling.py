@@ -40,7 +40,10 @@ def _mix32(x: Tensor) -> Tensor:
 def counter_uniform(seed: Tensor, position: Tensor, step: Tensor, stream: int = 0) -> Tensor:
     """A uniform in (0, 1), float64, determined only by (seed, position, step, stream)."""
     seed = seed.to(torch.int64)
-    h = _mix32((step.to(torch.int64) & _M32) ^ (0x9E3779B9 + stream))
+    # every field gets its own mixing round, so no two (stream, step) pairs can collide by
+    # simple bit arithmetic (an earlier `step ^ (c + stream)` did: stream 1 step 0 == stream 0 step 3)
+    h = _mix32(torch.full_like(step, stream, dtype=torch.int64) & _M32 ^ 0x9E3779B9)
+    h = _mix32(h ^ (step.to(torch.int64) & _M32))
     h = _mix32(h ^ (position.to(torch.int64) & _M32))
     h = _mix32(h ^ (seed & _M32))
     h = _mix32(h ^ ((seed >> 32) & _M32))
