@@ -12,14 +12,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from attribution_svc.compute import AttributionTables, RecordsError, StreamState, attribute_block
+from attribution_svc.compute import (
+    AttributionTables,
+    RecordsError,
+    StreamState,
+    attribute_block,
+)
 from cde.rpc import make_server, service_name
+from cde.rpc.serving import wait_for_shutdown_signal
 from cde.rpc.v1 import attribution_pb2, attribution_pb2_grpc
 from cde.steerling.catalog import ConceptCatalog
 
@@ -105,12 +110,8 @@ async def build_server(model_dir: str | Path, host: str = "127.0.0.1", port: int
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT, then go NOT_SERVING and drain in-flight streams (args.grace seconds)."""
     running = await build_server(args.model_dir, args.host, args.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_shutdown_signal()
     finally:
         log.info("attribution: shutting down")
         await running.stop(getattr(args, "grace", 5.0))

@@ -9,10 +9,9 @@ CDE_DETACH_GRACE, CDE_REDIS_PREFIX, CDE_LOG_LEVEL.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
 
+from cde.rpc.serving import run_main
 from scheduler_svc.service import DEFAULT_PORT, serve
 
 
@@ -40,9 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=os.environ.get("CDE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(parse_args(argv)))
+    run_main(serve, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import contextlib
 import functools
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -33,11 +32,20 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from cde.rpc import make_server, service_name
+from cde.rpc.serving import wait_for_shutdown_signal
 from cde.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.admission import Admission
 from scheduler_svc.attribution import AttributionPool
-from scheduler_svc.run import (End, RequestRun, Subscriber, accepted, decode_spec, encode_spec, stored_after,
-                               stored_finished)
+from scheduler_svc.run import (
+    End,
+    RequestRun,
+    Subscriber,
+    accepted,
+    decode_spec,
+    encode_spec,
+    stored_after,
+    stored_finished,
+)
 from scheduler_svc.state import RequestStore, _check_id
 from scheduler_svc.workers import WorkerPool
 
@@ -426,10 +434,5 @@ def options_from_args(args: argparse.Namespace) -> SchedulerOptions:
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT."""
     sched = await start_scheduler(options_from_args(args))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_shutdown_signal()
     await sched.stop(args.grace)

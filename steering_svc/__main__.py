@@ -6,10 +6,9 @@ Environment fallbacks: CDE_MODEL_DIR, CDE_STEERING_HOST, CDE_STEERING_PORT.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
 
+from cde.rpc.serving import run_main
 from steering_svc.service import DEFAULT_PORT, serve
 
 
@@ -27,9 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=os.environ.get("CDE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(parse_args(argv)))
+    run_main(serve, parse_args(argv))
 
 
 if __name__ == "__main__":

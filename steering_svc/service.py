@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from cde.rpc import make_server, service_name
+from cde.rpc.serving import wait_for_shutdown_signal
 from cde.rpc.v1 import common_pb2, steering_pb2, steering_pb2_grpc
 from steering_svc.backend import RequestError, SteeringBackend
 
@@ -139,12 +139,8 @@ async def build_server(model_dir: str | Path, host: str = "127.0.0.1", port: int
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT, then go NOT_SERVING and drain in-flight calls (args.grace seconds)."""
     running = await build_server(args.model_dir, args.host, args.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_shutdown_signal()
     finally:
         log.info("steering: shutting down")
         await running.stop(getattr(args, "grace", 5.0))

@@ -10,11 +10,10 @@ CDE_CUDA_GRAPHS=1, CDE_KV_PAGES, CDE_LOG_LEVEL.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
 import socket
 
+from cde.rpc.serving import run_main
 from worker_svc.service import DEFAULT_PORT, serve
 
 
@@ -51,9 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=os.environ.get("CDE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(parse_args(argv)))
+    run_main(serve, parse_args(argv))
 
 
 if __name__ == "__main__":

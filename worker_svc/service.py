@@ -22,7 +22,6 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,14 @@ import grpc
 import torch
 
 from cde.rpc import bytes_to_floats, channel_options, make_server, service_name
-from cde.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from cde.rpc.serving import wait_for_shutdown_signal
+from cde.rpc.v1 import (
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from cde.steerling.attribution import RawRecords
 from cde.steerling.config import PRESETS, SteerlingConfig
 from cde.steerling.loading import load_model
@@ -40,7 +46,13 @@ from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import PreparedSteering
 from cde.steerling.tokenizer import load_tokenizer
 from worker_svc.engine.async_engine import AsyncEngine
-from worker_svc.engine.engine import K_BUCKETS, BlockEvent, Engine, FinishEvent, StepEvent
+from worker_svc.engine.engine import (
+    K_BUCKETS,
+    BlockEvent,
+    Engine,
+    FinishEvent,
+    StepEvent,
+)
 
 log = logging.getLogger("worker_svc")
 
@@ -443,10 +455,5 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT, then drain for `args.grace` seconds."""
     worker = await start_worker(options_from_args(args))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_shutdown_signal()
     await worker.stop(args.grace)

@@ -112,7 +112,14 @@ def sampling_distribution(adjusted: Tensor, params: list[SamplingParams]) -> tup
     entropy_rows = torch.tensor([p.use_entropy_sampling for p in params], device=dev)
     if bool(entropy_rows.any()):
         temp = torch.where(entropy_rows, entropy_temperature(adjusted, top_p), temp)
-    probs = torch.softmax(adjusted / temp[:, None], dim=-1)
+    return top_p_filter(torch.softmax(adjusted / temp[:, None], dim=-1), top_p)
+
+
+def top_p_filter(probs: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
+    """Sort each row, keep the smallest prefix whose mass reaches top_p (at least one), renormalize.
+
+    Returns (filtered probabilities in sorted order, the sorted ids).
+    """
     sorted_p, sorted_ids = torch.sort(probs, dim=-1, descending=True)
     cum = torch.cumsum(sorted_p, dim=-1)
     keep = (cum - sorted_p) <= top_p[:, None]

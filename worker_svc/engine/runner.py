@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cde.steerling.model import SteeringInputs, SteerlingModel
-from cde.steerling.sampling import counter_uniform, draw, entropy_temperature
+from cde.steerling.sampling import counter_uniform, draw, entropy_temperature, top_p_filter
 from worker_svc.engine.kv_cache import KVCache
 
 BLOCK = 64
@@ -141,13 +141,7 @@ class StepRunner:
         temp = torch.where(entropy, entropy_temperature(adj_sel, top_p),
                            s.temperature[:, None].expand(r, kmax).reshape(-1))
         temp = torch.where(greedy, torch.ones_like(temp), temp)
-        probs = torch.softmax(adj_sel / temp[:, None], dim=-1)
-        sorted_p, sorted_ids = torch.sort(probs, dim=-1, descending=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        keep = (cum - sorted_p) <= top_p[:, None]
-        keep[:, 0] = True
-        filtered = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-        filtered = filtered / filtered.sum(-1, keepdim=True)
+        filtered, sorted_ids = top_p_filter(torch.softmax(adj_sel / temp[:, None], dim=-1), top_p)
         drawn = draw(filtered, sorted_ids, u)
         tok_sel = torch.where(greedy, adj_sel.argmax(-1), drawn).view(r, kmax)
 
