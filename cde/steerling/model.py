@@ -179,6 +179,13 @@ class SteerlingModel(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
         return self
 
+    def _apply(self, fn, recurse: bool = True):
+        # `.to(bfloat16)` would also cast the RoPE tables; the reference computes RoPE in fp32.
+        super()._apply(fn, recurse)
+        if self.rope_cos.dtype != torch.float32 and not self.rope_cos.is_meta:
+            self.rebuild_rope(self.rope_cos.device)
+        return self
+
     def rebuild_rope(self, device: torch.device | str | None = None) -> None:
         """Recompute the RoPE tables (after building on the meta device)."""
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.block_size, self.cfg.rope_base, device)
