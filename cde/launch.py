@@ -69,6 +69,7 @@ class Stack:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.redis: EmbeddedRedis | None = None
         self.services: list[Service] = []
+        self.env: dict[str, str] = {}
 
     def log_tail(self, svc: Service, n: int = 30) -> str:
         try:
@@ -78,7 +79,7 @@ class Stack:
 
     def start(self) -> None:
         a = self.args
-        redis_url = os.environ.get("REDIS_URL")
+        redis_url = getattr(a, "redis_url", None) or os.environ.get("REDIS_URL")
         if not redis_url:
             self.redis = EmbeddedRedis(data_dir=self.run_dir / "redis", aof=True, appendfsync="everysec")
             self.redis.start()
@@ -95,7 +96,8 @@ class Stack:
             Service("attribution", py + ["attribution_svc", "--model-dir", model, "--host", "127.0.0.1",
                                          "--port", str(p["attribution"])], grpc_port=p["attribution"]),
             Service("scheduler", py + ["scheduler_svc", "--host", "127.0.0.1", "--port", str(p["scheduler"]),
-                                       "--redis-url", redis_url, "--attribution", f"127.0.0.1:{p['attribution']}"],
+                                       "--redis-url", redis_url, "--attribution", f"127.0.0.1:{p['attribution']}",
+                                       *getattr(a, "scheduler_args", ())],
                     grpc_port=p["scheduler"]),
         ]
         for i, wp in enumerate(worker_ports):
@@ -106,9 +108,10 @@ class Stack:
         self.services.append(Service("gateway", py + [
             "gateway", "--model-dir", model, "--host", a.host, "--http-port", str(p["gateway_http"]),
             "--grpc-port", str(p["gateway_grpc"]), "--scheduler", f"127.0.0.1:{p['scheduler']}",
-            "--steering", f"127.0.0.1:{p['steering']}"], http_port=p["gateway_http"], grpc_port=p["gateway_grpc"]))
+            "--steering", f"127.0.0.1:{p['steering']}", *getattr(a, "gateway_args", ())],
+            http_port=p["gateway_http"], grpc_port=p["gateway_grpc"]))
         self.ports = p
-        env = dict(os.environ, PYTHONUNBUFFERED="1", REDIS_URL=redis_url)
+        self.env = env = dict(os.environ, PYTHONUNBUFFERED="1", REDIS_URL=redis_url)
         for svc in self.services:
             svc.log = self.run_dir / f"{svc.name}.log"
             svc.proc = subprocess.Popen(svc.args, cwd=ROOT, env=env, stdout=svc.log.open("wb"),

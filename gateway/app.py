@@ -31,7 +31,7 @@ from gateway.errors import GatewayError, invalid, openai_error_body
 from gateway.metrics import CONTENT_TYPE
 from gateway.pipeline import GenerationStream, Pipeline
 from gateway.middleware import AuthMiddleware, BodyLimitMiddleware
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from gateway.schemas import SEARCH_LIMIT_MAX, ChatCompletionRequest, CompletionRequest, _GenerationFields
 from gateway.translate import OpenAIFormatter, RestOptions, block_cde_json, chat_to_proto, completion_to_proto
 
 log = logging.getLogger("gateway.rest")
@@ -294,8 +294,8 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
 async def search_concepts(request: Request, q: str | None = None, limit: int = 20,
                           known_only: bool = False) -> dict[str, Any]:
     """Search the concept catalog by name/description (for `steering.concepts[].name`)."""
-    if limit < 1:
-        raise invalid("limit must be at least 1", "limit")
+    if not 1 <= limit <= SEARCH_LIMIT_MAX:   # before it goes into a uint32 proto field
+        raise invalid(f"limit must be in [1, {SEARCH_LIMIT_MAX}]", "limit")
     resp = await _pipeline(request).search_concepts(common_pb2.SearchConceptsRequest(
         query=q or "", limit=limit, known_only=known_only))
     data = [{"id": c.id, "object": "concept", "name": c.name, "head": c.head, "description": c.description,

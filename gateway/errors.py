@@ -89,9 +89,21 @@ def retry_after_seconds(ms: int) -> int:
     return max(1, math.ceil(ms / 1000))
 
 
+def utf8_safe(text: str) -> str:
+    """Lone surrogates (legal JSON escapes such as "\\ud800", but not encodable as UTF-8) become
+    U+FFFD, the repair the tokenizers apply, so client text fits a proto string field and an
+    error body that quotes it can still be encoded."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def openai_error_body(status: int, message: str, param: str | None = None,
                       code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+    return {"error": {"message": utf8_safe(message), "type": error_type(status),
+                      "param": None if param is None else utf8_safe(param), "code": code}}
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> GatewayError:

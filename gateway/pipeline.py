@@ -270,8 +270,13 @@ class Pipeline:
     def resume(self, req: common_pb2.ResumeRequest, client_remaining: float | None = None) -> GenerationStream:
         if not req.request_id:
             raise invalid("request_id is required", "request_id")
-        call = self.backends.scheduler.Resume(req, timeout=self._timeout(client_remaining))
-        return GenerationStream(call, BlockDetokenizer(self.model.tokenizer), self.metrics.request(), 0, 0)
+        # Replay from the first block and only prime the detokenizer with the blocks the client
+        # already has: a character split across the resume point then decodes as it did in the
+        # original stream (a fresh decoder would print U+FFFD for its tail bytes).
+        call = self.backends.scheduler.Resume(common_pb2.ResumeRequest(request_id=req.request_id),
+                                              timeout=self._timeout(client_remaining))
+        return GenerationStream(call, BlockDetokenizer(self.model.tokenizer), self.metrics.request(), 0, 0,
+                                skip_through=req.after_block if req.HasField("after_block") else None)
 
     # ---- unary ------------------------------------------------------------------------------
     async def cancel(self, request_id: str) -> common_pb2.CancelResponse:
@@ -316,26 +321,31 @@ class GenerationStream:
     prompt_tokens: int
     done: bool = False
     finish_reason: str | None = None
+    skip_through: int | None = None   # Resume: blocks up to this index only prime the detokenizer
+    _primed_tokens: int = field(default=0)
     _closed: bool = field(default=False)
 
     def __post_init__(self) -> None:
         self.timer.metrics.in_flight.labels(self.timer.metrics.model).inc()
 
     async def next(self) -> generate_pb2.GenerateResponse | None:
-        if self.done:
-            return None
-        try:
-            ev = await self.call.read()
-        except grpc.aio.AioRpcError as e:
-            self.done = True
-            raise from_rpc_error(e, "scheduler") from None
-        if ev is grpc.aio.EOF:
-            self.done = True
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream before the request finished",
-                               err_code="backend_unavailable")
-        return self._translate(ev)
+        while not self.done:
+            try:
+                ev = await self.call.read()
+            except grpc.aio.AioRpcError as e:
+                self.done = True
+                raise from_rpc_error(e, "scheduler") from None
+            if ev is grpc.aio.EOF:
+                self.done = True
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                                   "scheduler ended the stream before the request finished",
+                                   err_code="backend_unavailable")
+            out = self._translate(ev)
+            if out is not None:
+                return out
+        return None
 
-    def _translate(self, ev: scheduler_pb2.SchedulerEvent) -> generate_pb2.GenerateResponse:
+    def _translate(self, ev: scheduler_pb2.SchedulerEvent) -> generate_pb2.GenerateResponse | None:
         kind = ev.WhichOneof("event")
         if kind == "accepted":
             acc = common_pb2.Accepted()
@@ -350,6 +360,9 @@ class GenerationStream:
         if kind == "block":
             b = ev.block
             res = self.detok.feed(b.tokens)
+            if self.skip_through is not None and b.block_index <= self.skip_through:
+                self._primed_tokens += len(res.tokens)
+                return None
             self.timer.block(len(res.tokens))
             return generate_pb2.GenerateResponse(block=generate_pb2.BlockEvent(
                 block_index=b.block_index, start=b.start, tokens=res.tokens, text=res.text,
@@ -360,7 +373,7 @@ class GenerationStream:
             fin.CopyFrom(ev.finished)
             if not fin.HasField("usage") or not (fin.usage.completion_tokens or fin.usage.prompt_tokens):
                 fin.usage.prompt_tokens = fin.usage.prompt_tokens or self.prompt_tokens
-                fin.usage.completion_tokens = fin.usage.completion_tokens or self.detok.n_tokens
+                fin.usage.completion_tokens = fin.usage.completion_tokens or self.detok.n_tokens - self._primed_tokens
             self.finish_reason = FINISH_REASON_TEXT.get(fin.reason, "stop")
             self.timer.finished(self.finish_reason)
             return generate_pb2.GenerateResponse(finished=fin)

@@ -27,6 +27,7 @@ MAX_STOP_STRING_CHARS = 256
 CONCEPT_NAME_MAX = 256
 SEARCH_LIMIT_MAX = 200
 U64_MAX = 2**64 - 1
+U32_MAX = 2**32 - 1   # integers that travel as proto uint32
 
 
 class _Ext(BaseModel):
@@ -34,7 +35,7 @@ class _Ext(BaseModel):
 
 
 class SteeringConceptIn(_Ext):
-    id: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    id: Annotated[int, Field(ge=0, le=U32_MAX)] | None = None
     name: Annotated[str, Field(min_length=1, max_length=CONCEPT_NAME_MAX)] | None = None
     strength: Annotated[float, Field(gt=0.0, le=STRENGTH_MAX, allow_inf_nan=False)] = 1.0
 
@@ -48,9 +49,9 @@ class SteeringConceptIn(_Ext):
 class SteeringIn(_Ext):
     concepts: Annotated[list[SteeringConceptIn], Field(min_length=1, max_length=MAX_CONCEPTS)]
     mode: Literal["amplify", "suppress"] = "amplify"
-    inject_layer: Annotated[int, Field(ge=0)] | None = None
+    inject_layer: Annotated[int, Field(ge=0, le=U32_MAX)] | None = None
     schedule: Literal["default", "fixed", "hard_cutoff"] = "default"
-    cutoff: Annotated[int, Field(ge=1)] | None = None
+    cutoff: Annotated[int, Field(ge=1, le=U32_MAX)] | None = None
     target: Annotated[float, Field(ge=-TARGET_ABS_MAX, le=TARGET_ABS_MAX, allow_inf_nan=False)] | None = None
 
     @model_validator(mode="after")
@@ -61,9 +62,9 @@ class SteeringIn(_Ext):
 
 
 class DecodeIn(_Ext):
-    tokens_per_step: Annotated[int, Field(ge=1)] | None = None
+    tokens_per_step: Annotated[int, Field(ge=1, le=U32_MAX)] | None = None
     threshold: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    stride: Annotated[int, Field(ge=0)] = 0
+    stride: Annotated[int, Field(ge=0, le=U32_MAX)] = 0
 
 
 class SamplingIn(_Ext):
@@ -93,7 +94,7 @@ class _GenerationFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=U32_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     seed: Annotated[int, Field(ge=0, le=U64_MAX)] | None = None
@@ -109,7 +110,8 @@ class _GenerationFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     # extensions
     repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_PENALTY_MAX, allow_inf_nan=False)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_IDS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=U32_MAX)]],
+                              Field(max_length=MAX_STOP_IDS)] | None = None
     steering: SteeringIn | None = None
     attribution: Literal["none", "tokens", "chunks", "all"] = "none"
     attribution_top_k: Annotated[int, Field(ge=1, le=ATTRIBUTION_TOP_K_MAX)] = DEFAULT_ATTRIBUTION_TOP_K
@@ -130,7 +132,7 @@ class _GenerationFields(BaseModel):
 
 class CompletionRequest(_GenerationFields):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | \
-        Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        Annotated[list[Annotated[int, Field(ge=0, le=U32_MAX)]], Field(min_length=1)]
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
@@ -166,7 +168,7 @@ class ChatMessageIn(BaseModel):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=U32_MAX)] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None

@@ -15,6 +15,7 @@ from typing import Any
 from cde.rpc.v1 import common_pb2, generate_pb2
 from cde.steerling.tokenizer import Tokenizer
 from gateway.detok import token_text
+from gateway.errors import utf8_safe
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, _GenerationFields
 
 _ATTRIBUTION = {"none": common_pb2.ATTRIBUTION_NONE, "tokens": common_pb2.ATTRIBUTION_TOKENS,
@@ -34,7 +35,7 @@ class RestOptions:
 
 
 def _common(body: _GenerationFields, req: generate_pb2.GenerateRequest, max_tokens: int | None) -> None:
-    req.model = body.model or ""
+    req.model = utf8_safe(body.model or "")
     d = req.decode
     if max_tokens is not None:
         d.max_new_tokens = max_tokens
@@ -68,7 +69,7 @@ def _common(body: _GenerationFields, req: generate_pb2.GenerateRequest, max_toke
             if c.id is not None:
                 pc.concept_id = c.id
             else:
-                pc.name = c.name or ""
+                pc.name = utf8_safe(c.name or "")
         out.mode = _MODE[st.mode]
         out.schedule = _SCHEDULE[st.schedule]
         if st.inject_layer is not None:
@@ -93,9 +94,9 @@ def completion_to_proto(body: CompletionRequest) -> tuple[generate_pb2.GenerateR
     req = generate_pb2.GenerateRequest()
     p = body.prompt
     if isinstance(p, str):
-        req.prompt = p
+        req.prompt = utf8_safe(p)
     elif isinstance(p[0], str):
-        req.prompt = p[0]
+        req.prompt = utf8_safe(p[0])
     else:
         req.token_ids.ids.extend(p)
     _common(body, req, body.max_tokens)
@@ -106,7 +107,8 @@ def chat_to_proto(body: ChatCompletionRequest) -> tuple[generate_pb2.GenerateReq
     req = generate_pb2.GenerateRequest()
     for m in body.messages:
         # "developer" is OpenAI's newer name for the system role.
-        req.chat.messages.add(role="system" if m.role == "developer" else m.role, content=m.text())
+        req.chat.messages.add(role="system" if m.role == "developer" else m.role,
+                              content=utf8_safe(m.text()))
     _common(body, req, body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
     return req, _options(body, chat=True)
 

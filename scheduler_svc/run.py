@@ -284,12 +284,16 @@ class RequestRun:
                 else:
                     await self._give_up(grpc.StatusCode.UNAVAILABLE, f"no worker available within {wait:g}s")
                 return
+            # Reserve the pages before the next await: the other runs of a burst pick meanwhile and
+            # must see them, or they all land on the same worker.
+            worker.placed_pages += pages
             if not await store.claim(self.rid, worker.worker_id):
+                worker.placed_pages = max(0, worker.placed_pages - pages)
                 continue   # cancelled meanwhile (seen above next round) or claimed by another instance
             st = await store.get(self.rid)
             if st is None or st.status != RUNNING or st.worker != worker.worker_id:
+                worker.placed_pages = max(0, worker.placed_pages - pages)
                 continue
-            worker.placed_pages += pages
             worker.runs.add(self)
             self.worker = self._last_worker = worker
             try:

@@ -1,0 +1,164 @@
+"""The whole system as real processes (cde.launch.Stack) for tests, plus the client helpers
+the fault tests share.
+
+    with running_stack(tmp_path, workers=2, scheduler_args=["--max-running", "2"]) as stack:
+        ...
+
+``running_stack`` always stops every process it started (also when start-up fails);
+``restart_service`` starts a killed service again with its original command line, port
+and environment. Streams are read with bounded timeouts, never forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import httpx
+
+from cde.launch import DEFAULT_MODEL, ROOT, Service, Stack
+from cde.redis_util import free_port
+from cde.rpc.v1 import worker_pb2, worker_pb2_grpc
+
+MODEL = "steerling-tiny"
+PROMPT = "Tell me about the sea."
+
+
+def stack_args(run_dir: str | os.PathLike, *, workers: int = 1, scheduler_args: Sequence[str] = (),
+               gateway_args: Sequence[str] = (), redis_url: str | None = None,
+               timeout: float = 240.0) -> argparse.Namespace:
+    return argparse.Namespace(model_dir=str(DEFAULT_MODEL), device="cpu", workers=workers, host="127.0.0.1",
+                              http_port=free_port(), run_dir=str(run_dir), timeout=timeout,
+                              scheduler_args=list(scheduler_args), gateway_args=list(gateway_args),
+                              redis_url=redis_url)
+
+
+@contextlib.contextmanager
+def running_stack(run_dir: str | os.PathLike, **kw) -> Iterator[Stack]:
+    stack = Stack(stack_args(run_dir, **kw))
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def service(stack: Stack, name: str) -> Service:
+    return next(s for s in stack.services if s.name == name)
+
+
+def workers(stack: Stack) -> list[Service]:
+    return [s for s in stack.services if s.name.startswith("worker")]
+
+
+def kill(svc: Service) -> None:
+    """SIGKILL: no shutdown work at all."""
+    svc.proc.send_signal(signal.SIGKILL)
+    svc.proc.wait(timeout=10)
+
+
+def restart_service(stack: Stack, svc: Service) -> None:
+    """Start ``svc`` again with the same arguments (hence port) and environment; the Stack stops it."""
+    assert svc.proc is None or svc.proc.poll() is not None, f"{svc.name} is still running"
+    with svc.log.open("ab") as log:
+        svc.proc = subprocess.Popen(svc.args, cwd=ROOT, env=stack.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+
+def all_alive(stack: Stack) -> dict[str, int | None]:
+    """name -> exit code of every service that is NOT running (empty when all are alive)."""
+    return {s.name: s.proc.returncode for s in stack.services if s.proc is None or s.proc.poll() is not None}
+
+
+def wait_until(pred, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll ``pred()`` until it returns something truthy; AssertionError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def healthy(stack: Stack, timeout: float = 30.0) -> None:
+    def ok():
+        try:
+            return httpx.get(f"{stack.base_url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_until(ok, timeout, 0.2, "gateway /health 200")
+
+
+def worker_info(port: int, timeout: float = 2.0) -> worker_pb2.WorkerStatus:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.WorkerStatusRequest(), timeout=timeout)
+
+
+def chat_body(seed: int, max_tokens: int, stream: bool = True, content: str = PROMPT, **extra) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "seed": seed, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    body.update(extra)
+    return body
+
+
+def parse_sse_line(line: str) -> dict | None:
+    """The JSON of one ``data:`` line; None for other lines and for ``[DONE]``."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return None if data == "[DONE]" else json.loads(data)
+
+
+class StreamResult:
+    """What one streamed REST completion delivered, in order."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None    # HTTP status
+        self.request_id: str | None = None
+        self.blocks: list[int] = []
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish: str | None = None
+        self.usage: dict | None = None
+        self.errors: list[dict] = []
+        self.done = False            # saw data: [DONE]
+
+    def feed(self, line: str) -> None:
+        if line.strip() == "data: [DONE]":
+            self.done = True
+            return
+        ev = parse_sse_line(line)
+        if ev is None:
+            return
+        if "error" in ev:
+            self.errors.append(ev["error"])
+            return
+        cde = ev.get("cde") or {}
+        if "request_id" in cde and self.request_id is None:
+            self.request_id = cde["request_id"]
+        if "block_index" in cde:
+            self.blocks.append(cde["block_index"])
+            self.tokens += cde["tokens"]
+        for c in ev.get("choices") or []:
+            self.text += (c.get("delta") or {}).get("content") or c.get("text") or ""
+            if c.get("finish_reason"):
+                self.finish = c["finish_reason"]
+        if ev.get("usage"):
+            self.usage = ev["usage"]
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
