@@ -28,7 +28,12 @@ from torch import Tensor
 
 from cde.checkpoint import CheckpointError, CheckpointReader
 from cde.rpc.v1 import attribution_pb2, common_pb2
-from cde.steerling.attribution import RawRecords, TokenAttribution, chunk_scores, token_attribution
+from cde.steerling.attribution import (
+    RawRecords,
+    TokenAttribution,
+    chunk_scores,
+    token_attribution,
+)
 from cde.steerling.catalog import ConceptCatalog
 from cde.steerling.config import SteerlingConfig
 

@@ -24,7 +24,7 @@ from attribution_svc.compute import (
     attribute_block,
 )
 from cde.rpc import make_server, service_name
-from cde.rpc.serving import wait_for_shutdown_signal
+from cde.rpc.serving import start_then_load, wait_for_shutdown_signal
 from cde.rpc.v1 import attribution_pb2, attribution_pb2_grpc
 from cde.steerling.catalog import ConceptCatalog
 
@@ -93,16 +93,7 @@ async def build_server(model_dir: str | Path, host: str = "127.0.0.1", port: int
     server, health = await make_server([SERVICE])
     servicer = AttributionServicer()
     attribution_pb2_grpc.add_AttributionServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if not bound:
-        raise RuntimeError(f"cannot bind {host}:{port}")
-    await server.start()
-    try:
-        servicer.loaded = await asyncio.to_thread(Loaded.load, model_dir)
-    except BaseException:
-        await server.stop(None)
-        raise
-    await health.set_serving(True)
+    bound, servicer.loaded = await start_then_load(server, health, host, port, lambda: Loaded.load(model_dir))
     log.info("attribution: serving %s on %s:%d", servicer.loaded.model_name, host, bound)
     return RunningServer(server, bound, health, servicer)
 

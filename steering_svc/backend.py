@@ -25,8 +25,14 @@ from cde.rpc import floats_to_bytes
 from cde.rpc.v1 import common_pb2
 from cde.steerling.catalog import Concept, ConceptCatalog
 from cde.steerling.config import SteerlingConfig
-from cde.steerling.steering import (AMPLIFY_INJECT_LAYER, AMPLIFY_TARGET, DEFAULT_CUTOFF, SUPPRESS_TARGET,
-                                    SteeringSpec, prepare)
+from cde.steerling.steering import (
+    AMPLIFY_INJECT_LAYER,
+    AMPLIFY_TARGET,
+    DEFAULT_CUTOFF,
+    SUPPRESS_TARGET,
+    SteeringSpec,
+    prepare,
+)
 
 KNOWN_EMBEDDING = "known_head.concept_embedding.weight"
 TOKEN_EMBEDDING = "transformer.tok_emb.weight"  # tied with the LM head

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from cde.rpc import make_server, service_name
-from cde.rpc.serving import wait_for_shutdown_signal
+from cde.rpc.serving import start_then_load, wait_for_shutdown_signal
 from cde.rpc.v1 import common_pb2, steering_pb2, steering_pb2_grpc
 from steering_svc.backend import RequestError, SteeringBackend
 
@@ -122,16 +122,8 @@ async def build_server(model_dir: str | Path, host: str = "127.0.0.1", port: int
     server, health = await make_server([SERVICE])
     servicer = SteeringServicer(cache_entries)
     steering_pb2_grpc.add_SteeringServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if not bound:
-        raise RuntimeError(f"cannot bind {host}:{port}")
-    await server.start()
-    try:
-        servicer.backend = await asyncio.to_thread(SteeringBackend, model_dir)
-    except BaseException:
-        await server.stop(None)
-        raise
-    await health.set_serving(True)
+    bound, servicer.backend = await start_then_load(server, health, host, port,
+                                                    lambda: SteeringBackend(model_dir))
     log.info("steering: serving %s on %s:%d", servicer.backend.model_name, host, bound)
     return RunningServer(server, bound, health, servicer)
 

@@ -32,3 +32,38 @@ def run_main(serve: Callable[..., Awaitable[None]], args) -> None:
     """`python -m <service>`: configure logging, then serve until a shutdown signal."""
     configure_logging()
     asyncio.run(serve(args))
+
+
+def model_service_args(prog: str, description: str, env_prefix: str, default_port: int,
+                       argv: list[str] | None = None):
+    """Flags of a service that serves one model directory: --model-dir --host --port --grace,
+    with CDE_MODEL_DIR / CDE_<PREFIX>_HOST / CDE_<PREFIX>_PORT fallbacks."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("--model-dir", default=os.environ.get("CDE_MODEL_DIR"),
+                    help="model directory with config.json and the checkpoint (env CDE_MODEL_DIR)")
+    ap.add_argument("--host", default=os.environ.get(f"CDE_{env_prefix}_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(os.environ.get(f"CDE_{env_prefix}_PORT", default_port)))
+    ap.add_argument("--grace", type=float, default=5.0, help="seconds to drain calls on SIGTERM/SIGINT")
+    args = ap.parse_args(argv)
+    if not args.model_dir:
+        ap.error("--model-dir (or CDE_MODEL_DIR) is required")
+    return args
+
+
+async def start_then_load(server, health, host: str, port: int, load: Callable[[], object]):
+    """Bind and start `server` first (health answers NOT_SERVING meanwhile), then run the blocking
+    `load()` in a thread, then report SERVING. Returns (bound port, what load returned); stops the
+    server and re-raises when binding or loading fails."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise RuntimeError(f"cannot bind {host}:{port}")
+    await server.start()
+    try:
+        loaded = await asyncio.to_thread(load)
+    except BaseException:
+        await server.stop(None)
+        raise
+    await health.set_serving(True)
+    return bound, loaded
