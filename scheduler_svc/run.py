@@ -319,39 +319,29 @@ class RequestRun:
         self.next_block = st.next_block
         for b in blocks:   # a subscriber may have missed these if an earlier attempt was interrupted
             self._publish_block(b)
-        # The attribution service must know which block is the generation's last; only the
-        # worker's next event says so (Finished follows at once), so with attributions on we
-        # hold each block until the worker's next event and ask the worker for step events
-        # (the next block's first step comes two engine steps later).
-        peek = self.session is not None
+        # The attribution service must know which block is the generation's last: the worker
+        # marks it (`last`), so blocks are attributed and published as soon as they arrive.
         r = self.request
         submit = worker_pb2.WorkerSubmit(
             request_id=self.rid, prompt_tokens=r.prompt_tokens,
             committed_tokens=[t for b in blocks for t in b.tokens],
             next_step=blocks[-1].next_step if blocks else 0, decode=r.decode, sampling=r.sampling,
-            stream_steps=r.stream_steps or peek)
+            stream_steps=r.stream_steps)
         if r.HasField("steering"):
             submit.steering.CopyFrom(r.steering)
         call = worker.stub.Submit(submit, timeout=self._time_left())
         self._call, self._lost_worker = call, None
-        pending: common_pb2.BlockCommitted | None = None
         try:
             while True:
                 ev = await call.read()
                 if ev is grpc.aio.EOF:
                     break
                 kind = ev.WhichOneof("event")
-                if pending is not None:
-                    if not await self._commit(pending, kind == "finished", st.attempt):
-                        return await self._ownership_lost()
-                    pending = None
                 if kind == "step":
                     if r.stream_steps:
                         self._publish(scheduler_pb2.SchedulerEvent(step=ev.step), step=True)
                 elif kind == "block":
-                    if peek:
-                        pending = ev.block
-                    elif not await self._commit(ev.block, False, st.attempt):
+                    if not await self._commit(ev.block, ev.block.last, st.attempt):
                         return await self._ownership_lost()
                 elif kind == "finished":
                     return await self._finished(ev.finished, st.attempt)

@@ -271,7 +271,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 positions=ev.positions, tokens=ev.tokens))
                     elif isinstance(ev, BlockEvent):
                         yield worker_pb2.WorkerEvent(block=common_pb2.BlockCommitted(
-                            block_index=ev.block, start=ev.start, tokens=ev.tokens, next_step=next_step,
+                            block_index=ev.block, start=ev.start, tokens=ev.tokens, next_step=next_step, last=ev.last,
                             records=raw_records(ev.records, self.engine.k_known, self.engine.k_disc)))
                     elif isinstance(ev, FinishEvent):
                         yield worker_pb2.WorkerEvent(finished=common_pb2.Finished(

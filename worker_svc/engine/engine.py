@@ -67,6 +67,7 @@ class BlockEvent:
     end: int
     tokens: list[int]          # sequence[start:end] when the block closed
     records: RawRecords
+    last: bool = False         # the request finishes with this block
 
 
 @dataclass
@@ -461,12 +462,12 @@ class Engine:
         first = max(start, len(req.prompt))
         records = RawRecords.cat(req.block_records) if req.block_records else None
         req.block_records = []
-        req.events.append(BlockEvent(req.request_id, b, first, end, req.seq[first:end], records))
         stops = terminal_ids(self.cfg, req.options)
-        if eot or any(t in stops for t in req.seq[len(req.prompt):end]):
-            self._finish(req, "stop")
-        elif end >= req.gen_end:
-            self._finish(req, "length")
+        reason = ("stop" if eot or any(t in stops for t in req.seq[len(req.prompt):end])
+                  else "length" if end >= req.gen_end else None)
+        req.events.append(BlockEvent(req.request_id, b, first, end, req.seq[first:end], records, reason is not None))
+        if reason is not None:
+            self._finish(req, reason)
         else:
             req.pending_commit = True
 

@@ -239,7 +239,7 @@ class StepEvent(_message.Message):
     def __init__(self, step: _Optional[int] = ..., block_index: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockCommitted(_message.Message):
-    __slots__ = ("block_index", "start", "tokens", "records", "token_attributions", "chunk_attributions", "next_step")
+    __slots__ = ("block_index", "start", "tokens", "records", "token_attributions", "chunk_attributions", "next_step", "last")
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class BlockCommitted(_message.Message):
     TOKEN_ATTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ATTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     block_index: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -254,7 +255,8 @@ class BlockCommitted(_message.Message):
     token_attributions: _containers.RepeatedCompositeFieldContainer[TokenAttribution]
     chunk_attributions: _containers.RepeatedCompositeFieldContainer[ChunkAttribution]
     next_step: int
-    def __init__(self, block_index: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., records: _Optional[_Union[RawConceptRecords, _Mapping]] = ..., token_attributions: _Optional[_Iterable[_Union[TokenAttribution, _Mapping]]] = ..., chunk_attributions: _Optional[_Iterable[_Union[ChunkAttribution, _Mapping]]] = ..., next_step: _Optional[int] = ...) -> None: ...
+    last: bool
+    def __init__(self, block_index: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., records: _Optional[_Union[RawConceptRecords, _Mapping]] = ..., token_attributions: _Optional[_Iterable[_Union[TokenAttribution, _Mapping]]] = ..., chunk_attributions: _Optional[_Iterable[_Union[ChunkAttribution, _Mapping]]] = ..., next_step: _Optional[int] = ..., last: bool = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "steps", "forwards", "tokens_per_forward", "isd_acceptance")
