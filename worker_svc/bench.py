@@ -31,7 +31,7 @@ from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import SteeringSpec, prepare
-from worker_svc.engine.engine import BlockEvent, Engine, FinishEvent
+from worker_svc.engine.engine import BlockEvent, Engine
 
 
 def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> SteerlingModel:
@@ -107,7 +107,6 @@ def run_once(engine: Engine, model, concurrency: int, prompt_len: int, new_token
     t0 = time.perf_counter()
     first_block: dict[str, float] = {}
     block_times: dict[str, list[float]] = {}
-    tokens = 0
     while engine.has_work():
         engine.step()
         now = time.perf_counter()
@@ -117,8 +116,6 @@ def run_once(engine: Engine, model, concurrency: int, prompt_len: int, new_token
                 if isinstance(ev, BlockEvent):
                     first_block.setdefault(h.request_id, now - t0)
                     block_times.setdefault(h.request_id, []).append(now - t0)
-                elif isinstance(ev, FinishEvent):
-                    tokens += ev.completion_tokens if ev.reason != "stop" else len(ev.output_tokens)
     wall = time.perf_counter() - t0
     generated = sum(len([t for t in h.seq[len(h.prompt):] if t != cfg.mask_id]) for h in handles)
     gaps = [b - a for ts in block_times.values() for a, b in zip(ts, ts[1:])]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
