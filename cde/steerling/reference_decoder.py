@@ -125,6 +125,7 @@ def generate(
         iv = KnownIntervention(torch.tensor([intervention[0]], device=dev),
                                torch.tensor([intervention[1]], device=dev, dtype=torch.float32))
 
+    relu = steering.relu_mask.to(dev) if steering is not None and steering.relu_mask is not None else None
     result = GenerationResult(prompt_len, [], [], "length")
     committed = 0
     step = 0
@@ -150,7 +151,6 @@ def generate(
             heads = model.heads(rows_h, None if iv is None else KnownIntervention(
                 iv.ids.expand(len(masked), -1), iv.values.expand(len(masked), -1)),
                 None if iv is None else torch.ones(len(masked), dtype=torch.bool, device=dev))
-            relu = steering.relu_mask.to(dev) if steering is not None and steering.relu_mask is not None else None
             adjusted = adjust_logits(heads.logits, seen[None].expand(len(masked), -1), rep.expand(len(masked)),
                                      cfg.eos_id, banned, relu)
             conf = confidence(adjusted)
