@@ -47,8 +47,18 @@ def running_stack(run_dir: str | os.PathLike, **kw) -> Iterator[Stack]:
     try:
         stack.start()
         yield stack
+    except BaseException:
+        print_log_tails(stack)
+        raise
     finally:
         stack.stop()
+
+
+def print_log_tails(stack: Stack, lines: int = 40) -> None:
+    """A failed test shows what every service logged last (CI keeps only the test output)."""
+    for svc in stack.services:
+        if svc.log is not None:
+            print(f"----- {svc.name} ({svc.log}) -----\n{stack.log_tail(svc, lines)}")
 
 
 def service(stack: Stack, name: str) -> Service:

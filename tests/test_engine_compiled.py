@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cde.steerling import kernels
 from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions, generate
@@ -36,6 +37,28 @@ def test_compiled_engine_matches_reference_and_never_recompiles_after_warmup():
         engine.step()
     engine.run_until_idle()
     assert engine.compiles == compiles, "recompiled after warm-up"
+    model.use_kernels(kernels.EAGER)   # the reference runs the plain eager layers
     for prompt, opts, h in reqs:
         ref = generate(model, prompt, opts, tokenizer_vocab_size=VOCAB)
         assert finish_of(engine, h).output_tokens == ref.output_tokens
+
+
+def test_compiled_kernels_equal_eager_on_fresh_inputs():
+    """Each fused function against its eager self: fp32 to rounding, bf16 to bf16 rounding."""
+    kn = kernels.compiled()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        b, t, h, kv, hd = 3, 64, 4, 2, 16
+        rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)   # noqa: E731
+        qkv = rnd(b, t, (h + 2 * kv) * hd) * 3
+        qw, kw = rnd(hd), rnd(hd)
+        cos, sin = torch.randn(b, 1, t, hd, generator=g), torch.randn(b, 1, t, hd, generator=g)
+        for got, want in zip(kn.qkv_prep(qkv, qw, kw, 1e-5, cos, sin, h, kv, hd, 2.5),
+                             kernels.qkv_prep(qkv, qw, kw, 1e-5, cos, sin, h, kv, hd, 2.5)):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        x, y, w = rnd(b, t, 32), rnd(b, t, 32), rnd(32)
+        coef, vec = torch.rand(b, t, generator=g), rnd(b, 32)
+        torch.testing.assert_close(kn.add_norm(x, y, w, 1e-5), kernels.add_norm(x, y, w, 1e-5), rtol=tol, atol=tol)
+        torch.testing.assert_close(kn.add_norm_steer(x, y, w, 1e-5, coef, vec),
+                                   kernels.add_norm_steer(x, y, w, 1e-5, coef, vec), rtol=tol, atol=tol)
+        torch.testing.assert_close(kn.swiglu(qkv), kernels.swiglu(qkv), rtol=tol, atol=tol)

@@ -137,6 +137,37 @@ def run_once(engine: Engine, model, concurrency: int, prompt_len: int, new_token
     }
 
 
+def profile_steps(model, concurrency: int, prompt_len: int, vocab: int, compile_: bool, steps: int = 6) -> dict:
+    """Kernel-level breakdown of steady decode steps (no CUDA graphs, so every kernel shows):
+    GPU time per step by kernel name, the kernel count, and the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = Engine(model, tokenizer_vocab_size=None, max_slots=max(concurrency, 4), n_pages=concurrency * 8 + 8,
+                 compile=compile_, cuda_graphs=False)
+    gen = torch.Generator().manual_seed(7)
+    for i in range(concurrency):
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+        eng.submit(f"prof-{i}", prompt, DecodeOptions(256, SamplingParams(), seed=i))
+    for _ in range(4):   # prefill, commit and the first decode steps, compiles
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(ev.name, []).append(ev.device_time_total / 1e3)
+    rows = sorted(((sum(v) / steps, len(v) / steps, k) for k, v in by_name.items()), reverse=True)
+    total = sum(r[0] for r in rows)
+    return {"concurrency": concurrency, "compiled": compile_, "step_wall_ms": wall * 1e3, "kernel_ms_per_step": total,
+            "kernels_per_step": sum(r[1] for r in rows),
+            "top": [{"ms_per_step": round(ms, 4), "calls_per_step": n, "kernel": k[:160]} for ms, n, k in rows[:40]]}
+
+
 def merge_reference(out: Path, log: Path) -> None:
     """Add the public reference's tok/s (measured right after the engine run) and our speedup."""
     import re
@@ -170,6 +201,7 @@ def main() -> None:
     ap.add_argument("--max-pages", type=int, default=4096)
     ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--profile", default="", help="concurrencies to profile kernel by kernel (e.g. 1,32)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge-reference", default=None, metavar="LOG",
                     help="merge shared/perf/anchor_steerling_ref.py output into --out and exit")
@@ -221,10 +253,12 @@ def main() -> None:
     engine = make_engine(compiled)
     print(f"model + engine ready in {time.perf_counter() - t:.0f} s; pages {engine.kv.pool.usable}", flush=True)
 
+    long_run = tuple(int(x) for x in args.long_run.split("x")) if args.long_run else None
+    warm = sorted(set(concs + offs + ([long_run[0]] if long_run else [])))
     # warm-up: compile and capture the graphs every measured run will use
     t = time.perf_counter()
     try:
-        for c in sorted(set(concs + offs)):
+        for c in warm:
             run_once(engine, model, c, args.prompt_tokens, 2, True, 999, vocab, timer)
             print(f"  warm C={c} at {time.perf_counter() - t:.0f} s, compiles {engine.compiles}, "
                   f"graphs {engine.stats().graphs}", flush=True)
@@ -236,7 +270,7 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
         engine = make_engine(False)
-        for c in sorted(set(concs + offs)):
+        for c in warm:
             run_once(engine, model, c, args.prompt_tokens, 2, True, 999, vocab, timer)
     result["compiled"] = compiled
     result["warmup_s"] = time.perf_counter() - t
@@ -244,9 +278,8 @@ def main() -> None:
     print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}, graphs {engine.stats().graphs}", flush=True)
 
     plan = [(c, True, args.new_tokens) for c in concs] + [(c, False, args.new_tokens) for c in offs]
-    if args.long_run:
-        c, n = (int(x) for x in args.long_run.split("x"))
-        plan.append((c, True, n))
+    if long_run:
+        plan.append((long_run[0], True, long_run[1]))
     for i, (c, on, n) in enumerate(plan):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -262,6 +295,18 @@ def main() -> None:
               f"  ratio {r.get('ratio_to_floor', 0):5.3f}  ttfb {r['ttfb_s'] or 0:6.3f}s  inter-block {r['inter_block_s'] or 0:6.3f}s"
               f"  pages {r['peak_pages_used']}  mem {r['peak_mem_gb'] or 0:6.1f} GB  recompiles {r['recompiles']}", flush=True)
     save()
+    if cuda and args.profile:
+        del engine
+        torch.cuda.empty_cache()
+        result["profile"] = []
+        for c in (int(x) for x in args.profile.split(",") if x):
+            prof = profile_steps(model, c, args.prompt_tokens, vocab, compiled)
+            result["profile"].append(prof)
+            save()
+            print(f"profile C={c}: step {prof['step_wall_ms']:.2f} ms wall (no graphs), kernels {prof['kernel_ms_per_step']:.2f} ms"
+                  f" in {prof['kernels_per_step']:.0f} launches", flush=True)
+            for row in prof["top"][:25]:
+                print(f"   {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['kernel'][:110]}", flush=True)
 
 
 if __name__ == "__main__":

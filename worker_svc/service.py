@@ -338,6 +338,8 @@ class Registrar:
                 except grpc.aio.AioRpcError as e:
                     log.warning("scheduler %s: %s %s; retrying in %.1fs", self.scheduler, e.code().name,
                                 e.details(), backoff)
+                except Exception:   # never stop registering: a worker nobody knows serves nothing
+                    log.exception("registration with scheduler %s failed; retrying in %.1fs", self.scheduler, backoff)
                 self.registered.clear()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from cde.steerling import kernels
 from cde.steerling.concept_heads import TOKEN_CHUNK, DiscoveredHead, KnownHead
 from cde.steerling.config import SteerlingConfig
 
@@ -37,10 +38,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x).to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, max_len: int, base: float, device=None) -> tuple[Tensor, Tensor]:
@@ -52,12 +50,7 @@ def rope_tables(head_dim: int, max_len: int, base: float, device=None) -> tuple[
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B,H,T,hd); cos/sin (B,1,T,hd) fp32. Rotate-half on the full head dim, in fp32."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+apply_rope = kernels.apply_rope
 
 
 class Attention(nn.Module):
@@ -68,16 +61,12 @@ class Attention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.norm_eps)
+        self.kernels = kernels.EAGER
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
         b, t, c = x.shape
-        qkv = self.c_attn(x).clamp(-self.clip, self.clip)
-        q, k, v = qkv.split([c, self.n_kv * self.hd, self.n_kv * self.hd], dim=2)
-        q = q.reshape(b, t, self.n_head, self.hd).transpose(1, 2)
-        k = k.reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
-        v = v.reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(k), cos, sin)
+        q, k, v = self.kernels.qkv_prep(self.c_attn(x), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                        cos, sin, self.n_head, self.n_kv, self.hd, self.clip)
         y = attend(q, k, v)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
 
@@ -89,8 +78,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        up, gate = self.c_fc(x).chunk(2, dim=-1)
-        return self.c_proj(F.silu(gate) * up)
+        return self.c_proj(kernels.swiglu(self.c_fc(x)))
 
 
 class Block(nn.Module):
@@ -100,10 +88,16 @@ class Block(nn.Module):
         self.ln_2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
+        self.kernels = kernels.EAGER
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
-        x = x + self.ln_1(self.attn(x, cos, sin, attend))
-        return x + self.ln_2(self.mlp(x))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend, steer: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """steer = (coef (B,T) fp32, vector (B,D)): added after the block's residual."""
+        kn = self.kernels
+        x = kn.add_norm(x, self.attn(x, cos, sin, attend), self.ln_1.weight, self.ln_1.eps)
+        m = self.mlp.c_proj(kn.swiglu(self.mlp.c_fc(x)))
+        if steer is None:
+            return kn.add_norm(x, m, self.ln_2.weight, self.ln_2.eps)
+        return kn.add_norm_steer(x, m, self.ln_2.weight, self.ln_2.eps, steer[0], steer[1])
 
 
 class Transformer(nn.Module):
@@ -203,15 +197,22 @@ class SteerlingModel(nn.Module):
         x = self.transformer.tok_emb(tokens)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        coef = None
+        coefs = None
         if steering is not None:
             coef = steering.alpha.float()[:, None] * steering.gate.float()  # (B, T)
+            layer_no = torch.arange(1, len(self.transformer.blocks) + 1, device=coef.device)
+            on = (steering.inject_layer[None, :] <= layer_no[:, None]).float()  # (L, B): block i injects
+            coefs = coef[None] * on[:, :, None]                                  # (L, B, T)
         for i, block in enumerate(self.transformer.blocks):
-            x = block(x, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v))
-            if coef is not None:
-                on = (steering.inject_layer <= i + 1).float()[:, None]  # (B, 1)
-                x = x + ((coef * on)[..., None] * steering.vector[:, None, :]).to(x.dtype)
+            steer = None if coefs is None else (coefs[i], steering.vector)
+            x = block(x, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v), steer)
         return self.transformer.ln_f(x)
+
+    def use_kernels(self, kn: kernels.Kernels) -> None:
+        """Run the layers' pointwise parts with `kn` (e.g. `kernels.compiled()`)."""
+        for block in self.transformer.blocks:
+            block.kernels = kn
+            block.attn.kernels = kn
 
     # ---- the concept bottleneck and the LM head -------------------------------------
     def heads(self, h: Tensor, intervention: KnownIntervention | None = None,

@@ -165,17 +165,18 @@ class Engine:
 
     # ---- compilation ----------------------------------------------------------------------
     def _compile(self) -> None:
+        """Regional compilation: the layers' pointwise parts (cde.steerling.kernels), one graph
+        per function for all layers and shapes. GEMMs, attention, heads and the sampler stay
+        eager kernels (cuBLAS / SDPA / top-k); under CUDA graphs their launches are replayed.
+        Compiling the whole 32-layer forward instead took minutes per bucket on an H200."""
+        from cde.steerling import kernels
+
         def counting_backend(gm, example_inputs):
             self.compiles += 1
             from torch._inductor.compile_fx import compile_fx
             return compile_fx(gm, example_inputs)
 
-        # The forward is compiled (fuses norms, RoPE, clamps, SwiGLU). The sampler stays eager:
-        # it is a few large row-wise kernels, and inductor 2.11 fails on its float64 cumsum with
-        # dynamic shapes; under CUDA graphs its launches are replayed anyway.
-        import torch.fx.experimental._config as fx_config
-        fx_config.use_duck_shape = False   # equal sizes (pages == kv heads) must not share a symbol
-        self._forward = torch.compile(self.runner.forward, backend=counting_backend, dynamic=True)
+        self.model.use_kernels(kernels.compiled(counting_backend))
 
     # ---- public API -----------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], options: DecodeOptions,

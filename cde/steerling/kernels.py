@@ -1,0 +1,89 @@
+"""The pointwise parts of a Steerling layer as pure tensor functions, compilable once for all layers.
+
+Eager, each layer launches ~70 small kernels around its five GEMMs (fp32 norms, RoPE,
+clamps, SwiGLU, residual adds, the steering add): at batch 1 on an H200 those launches,
+even replayed from a CUDA graph, cost more than the weights' memory traffic. Compiling the
+whole 32-layer forward fuses them but takes minutes per shape bucket. These functions are
+the regional alternative: each fuses what sits between two GEMMs (or a GEMM and attention),
+takes only tensors and constants, and has the same code for every layer, so one compiled
+graph per function serves all 32 layers and every row/page bucket (dynamic shapes).
+
+The arithmetic is exactly the model's eager arithmetic (same op order, same dtypes), so the
+eager `Kernels()` are bit-identical to the layer code they replaced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in fp32, scaled by weight, back to x's dtype (the reference's order)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B,H,T,hd); cos/sin (B,1,T,hd) fp32. Rotate-half on the full head dim, in fp32."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def qkv_prep(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
+             n_head: int, n_kv: int, head_dim: int, clip: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused qkv (B,T,(H+2KV)*hd) -> clamp, split, QK-norm, RoPE -> q (B,H,T,hd), k, v (B,KV,T,hd)."""
+    b, t, _ = qkv.shape
+    qkv = qkv.clamp(-clip, clip)
+    q, k, v = qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=2)
+    q = q.reshape(b, t, n_head, head_dim).transpose(1, 2)
+    k = k.reshape(b, t, n_kv, head_dim).transpose(1, 2)
+    v = v.reshape(b, t, n_kv, head_dim).transpose(1, 2)
+    q = apply_rope(rms_norm(q, q_weight, eps), cos, sin)
+    k = apply_rope(rms_norm(k, k_weight, eps), cos, sin)
+    return q, k, v
+
+
+def add_norm(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Post-norm residual: x + RMSNorm(y)."""
+    return x + rms_norm(y, weight, eps)
+
+
+def add_norm_steer(x: Tensor, y: Tensor, weight: Tensor, eps: float, coef: Tensor, vector: Tensor) -> Tensor:
+    """Post-norm residual, then the steering injection: coef (B,T) fp32 times vector (B,D)."""
+    x = x + rms_norm(y, weight, eps)
+    return x + (coef[..., None] * vector[:, None, :]).to(x.dtype)
+
+
+def swiglu(h: Tensor) -> Tensor:
+    """c_fc's output is (up, gate): silu(gate) * up."""
+    up, gate = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Kernels:
+    """The functions a layer calls; eager by default, or compiled ones from `compiled`."""
+
+    NAMES = ("qkv_prep", "add_norm", "add_norm_steer", "swiglu")
+
+    def __init__(self, wrap: Callable[[Callable], Callable] | None = None):
+        for name in self.NAMES:
+            fn = globals()[name]
+            setattr(self, name, wrap(fn) if wrap is not None else fn)
+
+
+EAGER = Kernels()
+
+
+def compiled(backend="inductor") -> Kernels:
+    """Kernels compiled with dynamic shapes (one graph each, whatever the rows or pages)."""
+    import torch.fx.experimental._config as fx_config
+    fx_config.use_duck_shape = False   # equal sizes (pages == kv heads) must not share a symbol
+    return Kernels(lambda fn: torch.compile(fn, backend=backend, dynamic=True))
