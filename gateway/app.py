@@ -230,7 +230,8 @@ async def _generate(request: Request, body: _GenerationFields,
         stream.close()
         raise
     model = pipeline.model
-    fmt = OpenAIFormatter(model.tokenizer, model.id, prepared.submit.request_id, opts.chat, opts.include_usage)
+    fmt = OpenAIFormatter(model.tokenizer, model.id, prepared.submit.request_id, opts.chat, opts.include_usage,
+                          isd=model.causal)
     if opts.stream:
         async def close() -> None:  # also runs when the client left before the body started
             stream.close()
@@ -274,8 +275,9 @@ def _model_json(pipeline: Pipeline) -> dict[str, Any]:
     model = pipeline.model
     info = model.info()
     return {"id": model.id, "object": "model", "created": model.created, "owned_by": "cde",
-            "cde": {"diffusion_block_size": info.diffusion_block_size, "max_context": info.max_context,
-                    "n_known_concepts": info.n_known_concepts, "n_discovered_concepts": info.n_discovered_concepts}}
+            "cde": {"family": info.family, "diffusion_block_size": info.diffusion_block_size,
+                    "max_context": info.max_context, "n_known_concepts": info.n_known_concepts,
+                    "n_discovered_concepts": info.n_discovered_concepts}}
 
 
 @router.get("/v1/models", tags=["catalog"])

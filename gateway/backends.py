@@ -28,12 +28,16 @@ class Readiness:
     stats: scheduler_pb2.StatsResponse | None = None
 
 
+async def _not_used() -> None:
+    return None
+
+
 @dataclass
 class Backends:
     scheduler_addr: str
     steering_addr: str
     scheduler: scheduler_pb2_grpc.SchedulerStub = field(init=False)
-    steering: steering_pb2_grpc.SteeringStub = field(init=False)
+    steering: steering_pb2_grpc.SteeringStub | None = field(init=False, default=None)
     _channels: list[grpc.aio.Channel] = field(init=False, default_factory=list)
     _health: dict[str, tuple[health_pb2_grpc.HealthStub, str]] = field(init=False, default_factory=dict)
 
@@ -42,12 +46,14 @@ class Backends:
         """Create the channels (lazy: nothing connects until the first call)."""
         b = cls(scheduler_addr, steering_addr)
         sched = grpc.aio.insecure_channel(scheduler_addr, options=channel_options())
-        steer = grpc.aio.insecure_channel(steering_addr, options=channel_options())
-        b._channels = [sched, steer]
+        b._channels = [sched]
         b.scheduler = scheduler_pb2_grpc.SchedulerStub(sched)
-        b.steering = steering_pb2_grpc.SteeringStub(steer)
-        b._health = {"scheduler": (health_pb2_grpc.HealthStub(sched), SCHEDULER_SERVICE),
-                     "steering": (health_pb2_grpc.HealthStub(steer), STEERING_SERVICE)}
+        b._health = {"scheduler": (health_pb2_grpc.HealthStub(sched), SCHEDULER_SERVICE)}
+        if steering_addr:   # "" for a causal model: it has no concepts to steer
+            steer = grpc.aio.insecure_channel(steering_addr, options=channel_options())
+            b._channels.append(steer)
+            b.steering = steering_pb2_grpc.SteeringStub(steer)
+            b._health["steering"] = (health_pb2_grpc.HealthStub(steer), STEERING_SERVICE)
         return b
 
     async def close(self) -> None:
@@ -69,8 +75,8 @@ class Backends:
             return None
 
     async def readiness(self, timeout: float = 1.0) -> Readiness:
-        sched, steer, stats = await asyncio.gather(
-            self._check("scheduler", timeout), self._check("steering", timeout), self.stats(timeout))
+        steering = self._check("steering", timeout) if "steering" in self._health else _not_used()
+        sched, steer, stats = await asyncio.gather(self._check("scheduler", timeout), steering, self.stats(timeout))
         if stats is None:
             workers = "unknown (scheduler Stats failed)"
         elif not stats.workers:
@@ -78,4 +84,6 @@ class Backends:
         else:
             workers = "SERVING"
         stages = {"scheduler": sched, "steering": steer, "workers": workers}
+        if steer is None:
+            del stages["steering"]
         return Readiness(all(v == "SERVING" for v in stages.values()), stages, stats)

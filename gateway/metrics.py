@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from cde.rpc.v1 import scheduler_pb2
+from cde.rpc.v1 import common_pb2, scheduler_pb2
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -47,6 +47,12 @@ class GatewayMetrics:
         self.failures = Counter("cde:request_failure", "Requests that failed, by HTTP status.", lbl + ["status"], registry=r)
         self.prompt_tokens = Counter("cde:prompt_tokens", "Prompt tokens of accepted requests.", lbl, registry=r)
         self.generation_tokens = Counter("cde:generation_tokens", "Output tokens streamed to clients.", lbl, registry=r)
+        # Causal models (decode.stride): how many tokens each forward produced, and how many drafts passed.
+        self.tokens_per_forward = Histogram("cde:tokens_per_forward", "Output tokens per model forward, per request.",
+                                            lbl, buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0,
+                                                          12.0, 16.0), registry=r)
+        self.isd_acceptance = Histogram("cde:isd_acceptance_rate", "Accepted / proposed ISD drafts, per request.", lbl,
+                                        buckets=tuple(i / 10 for i in range(11)), registry=r)
 
     def request(self) -> RequestTimer:
         return RequestTimer(self)
@@ -98,7 +104,11 @@ class RequestTimer:
         self.step(n_tokens)
         m.generation_tokens.labels(label).inc(n_tokens)
 
-    def finished(self, reason: str) -> None:
+    def finished(self, reason: str, usage: common_pb2.Usage | None = None, isd: bool = False) -> None:
         m = self.metrics
         m.e2e.labels(m.model).observe(time.perf_counter() - self.t0)
         m.success.labels(m.model, reason).inc()
+        if usage is not None and usage.tokens_per_forward > 0:
+            m.tokens_per_forward.labels(m.model).observe(usage.tokens_per_forward)
+            if isd:
+                m.isd_acceptance.labels(m.model).observe(usage.isd_acceptance)

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import grpc
 
+from cde.model_family import CAUSAL, STEERLING, model_family
+from cde.qwen3.chat import ChatTokenizer, load_chat_tokenizer
+from cde.qwen3.config import Qwen3Config
 from cde.rpc.v1 import common_pb2, generate_pb2, scheduler_pb2, steering_pb2
 from cde.steerling.config import SteerlingConfig
 from cde.steerling.tokenizer import Tokenizer, load_tokenizer
@@ -34,6 +37,11 @@ from gateway.metrics import GatewayMetrics, RequestTimer
 # Copied rather than imported so the gateway never imports torch.
 DEFAULT_SAMPLING = {"use_entropy_sampling": True, "temperature": 1.2, "top_p": 0.8, "repetition_penalty": 1.1}
 DEFAULT_SEARCH_LIMIT = 20
+# Causal (I-DLM) models: plain temperature sampling, and ISD with stride 4 unless asked otherwise
+# (greedy output equals plain AR's token for token; sampled output keeps AR's distribution).
+DEFAULT_CAUSAL_SAMPLING = {"use_entropy_sampling": False, "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0}
+DEFAULT_STRIDE = 4
+MAX_STRIDE = 8   # the workers' default --max-stride
 
 FINISH_REASON_TEXT = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -46,28 +54,44 @@ FINISH_REASON_TEXT = {
 
 @dataclass(frozen=True)
 class ModelCard:
-    """The one model this gateway fronts: its id, config and tokenizer."""
+    """The one model this gateway fronts: its id, family, config and tokenizer.
+
+    family "steerling" (block diffusion: concepts, attribution, steering) or "causal" (a
+    Qwen3 / I-DLM model: autoregressive or introspective strided decoding, `decode.stride`)."""
 
     id: str
-    config: SteerlingConfig
-    tokenizer: Tokenizer
+    config: SteerlingConfig | Qwen3Config
+    tokenizer: Tokenizer | ChatTokenizer
     created: int
+    family: str = STEERLING
 
     @classmethod
     def load(cls, model_dir: str | Path, name: str | None = None) -> ModelCard:
         path = Path(model_dir)
+        family = model_family(path)
+        if family == CAUSAL:
+            qcfg = Qwen3Config.load(path)
+            return cls(name or path.resolve().name, qcfg, load_chat_tokenizer(path, qcfg), int(path.stat().st_mtime),
+                       CAUSAL)
         cfg = SteerlingConfig.load(path)
         tok = load_tokenizer(cfg.tokenizer, path)
         return cls(name or path.resolve().name, cfg, tok, int(path.stat().st_mtime))
 
     @property
+    def causal(self) -> bool:
+        return self.family == CAUSAL
+
+    @property
     def max_context(self) -> int:
-        return self.config.block_size
+        return self.config.max_positions if self.causal else self.config.block_size
 
     def info(self) -> generate_pb2.ModelInfo:
         c = self.config
+        if self.causal:
+            return generate_pb2.ModelInfo(id=self.id, max_context=c.max_positions, family=self.family)
         return generate_pb2.ModelInfo(id=self.id, diffusion_block_size=c.diff_block_size, max_context=c.block_size,
-                                      n_known_concepts=c.n_known, n_discovered_concepts=c.n_discovered)
+                                      n_known_concepts=c.n_known, n_discovered_concepts=c.n_discovered,
+                                      family=self.family)
 
 
 @dataclass(frozen=True)
@@ -145,15 +169,28 @@ class Pipeline:
             if max_new <= 0:
                 raise invalid(f"the prompt ({n_prompt} tokens) fills this model's maximum context of {ctx} tokens",
                               "prompt", "context_length_exceeded")
-        block = self.model.config.diff_block_size
-        tps = d.tokens_per_step or 1
-        if tps > block:
-            raise invalid(f"tokens_per_step must be in [1, {block}] (the diffusion block size)", "decode.tokens_per_step")
-        if d.isd_stride:
-            raise invalid("decode.stride (introspective strided decoding) is not supported by this model: "
-                          "Steerling is a block-diffusion model", "decode.stride")
-        if d.HasField("confidence_threshold") and not _finite_in(d.confidence_threshold, 0.0, 1.0, lo_open=True):
-            raise invalid("decode.threshold must be in (0, 1]", "decode.threshold")
+        stride = 0
+        if self.model.causal:
+            tps = 1
+            if d.tokens_per_step > 1 or d.HasField("confidence_threshold"):
+                raise invalid("decode.tokens_per_step and decode.threshold apply to block-diffusion models; "
+                              f"this causal model decodes {DEFAULT_STRIDE} tokens per forward with decode.stride "
+                              "(1 = plain autoregressive)", "decode.tokens_per_step" if d.tokens_per_step > 1
+                              else "decode.threshold")
+            stride = d.isd_stride or DEFAULT_STRIDE
+            if stride > MAX_STRIDE:
+                raise invalid(f"decode.stride must be in [1, {MAX_STRIDE}] (1 = plain autoregressive)", "decode.stride")
+        else:
+            block = self.model.config.diff_block_size
+            tps = d.tokens_per_step or 1
+            if tps > block:
+                raise invalid(f"tokens_per_step must be in [1, {block}] (the diffusion block size)",
+                              "decode.tokens_per_step")
+            if d.isd_stride:
+                raise invalid("decode.stride (introspective strided decoding) is not supported by this model: "
+                              "Steerling is a block-diffusion model", "decode.stride")
+            if d.HasField("confidence_threshold") and not _finite_in(d.confidence_threshold, 0.0, 1.0, lo_open=True):
+                raise invalid("decode.threshold must be in (0, 1]", "decode.threshold")
         if len(d.stop_ids) > B.MAX_STOP_IDS:
             raise invalid(f"at most {B.MAX_STOP_IDS} stop ids", "stop_token_ids")
         vocab = self.model.tokenizer.vocab_size
@@ -162,16 +199,24 @@ class Pipeline:
             raise invalid(f"stop token id {bad} is outside the vocabulary (size {vocab})", "stop_token_ids")
         out = common_pb2.DecodeOptions(max_new_tokens=max_new, tokens_per_step=tps,
                                        seed=d.seed if d.HasField("seed") else secrets.randbits(63),
-                                       stop_ids=list(dict.fromkeys(d.stop_ids)), isd_stride=0)
+                                       stop_ids=list(dict.fromkeys(d.stop_ids)), isd_stride=stride)
         if d.HasField("confidence_threshold"):
             out.confidence_threshold = d.confidence_threshold
         return out
 
-    @staticmethod
-    def resolve_sampling(s: common_pb2.SamplingOptions) -> common_pb2.SamplingOptions:
+    def resolve_sampling(self, s: common_pb2.SamplingOptions) -> common_pb2.SamplingOptions:
         """Every field set. A client that sets a temperature wants it used, so temperature
-        without an explicit use_entropy_sampling turns the entropy-adaptive temperature off."""
-        d = DEFAULT_SAMPLING
+        without an explicit use_entropy_sampling turns the entropy-adaptive temperature off.
+        Causal models sample with temperature and top_p only (T = 0: greedy)."""
+        if self.model.causal:
+            if s.use_entropy_sampling:
+                raise invalid("use_entropy_sampling applies to block-diffusion models only", "use_entropy_sampling")
+            if s.HasField("repetition_penalty") and s.repetition_penalty != 1.0:
+                raise invalid("repetition_penalty is not supported by causal (ISD) decoding: it would break "
+                              "the lossless acceptance rule; leave it at 1", "repetition_penalty")
+            d = DEFAULT_CAUSAL_SAMPLING
+        else:
+            d = DEFAULT_SAMPLING
         entropy = s.use_entropy_sampling if s.HasField("use_entropy_sampling") else (
             False if s.HasField("temperature") else d["use_entropy_sampling"])
         out = common_pb2.SamplingOptions(
@@ -234,8 +279,19 @@ class Pipeline:
                 err.param = "steering"
             raise err from None
 
+    def check_causal(self, req: generate_pb2.GenerateRequest) -> None:
+        """A causal model has no concept heads: attribution and steering cannot be served."""
+        if req.attribution != common_pb2.ATTRIBUTION_NONE:
+            raise invalid(f"model '{self.model.id}' is a causal LM without concepts: attribution is not available",
+                          "attribution")
+        if req.HasField("steering") and req.steering.concepts:
+            raise invalid(f"model '{self.model.id}' is a causal LM without concepts: steering is not available",
+                          "steering")
+
     async def prepare(self, req: generate_pb2.GenerateRequest) -> Prepared:
         self.check_model(req.model)
+        if self.model.causal:
+            self.check_causal(req)
         prompt = self.tokenize(req)
         decode = self.resolve_decode(req.decode, len(prompt))
         sampling = self.resolve_sampling(req.sampling)
@@ -265,7 +321,8 @@ class Pipeline:
         call = self.backends.scheduler.Submit(prepared.submit, timeout=self._timeout(client_remaining))
         self.metrics.prompt_tokens.labels(self.model.id).inc(prepared.prompt_tokens)
         return GenerationStream(call, BlockDetokenizer(self.model.tokenizer, prepared.submit.decode.stop_ids),
-                                timer or self.metrics.request(), prepared.seed, prepared.prompt_tokens)
+                                timer or self.metrics.request(), prepared.seed, prepared.prompt_tokens,
+                                isd=self.model.causal)
 
     def resume(self, req: common_pb2.ResumeRequest, client_remaining: float | None = None) -> GenerationStream:
         if not req.request_id:
@@ -276,7 +333,8 @@ class Pipeline:
         call = self.backends.scheduler.Resume(common_pb2.ResumeRequest(request_id=req.request_id),
                                               timeout=self._timeout(client_remaining))
         return GenerationStream(call, BlockDetokenizer(self.model.tokenizer), self.metrics.request(), 0, 0,
-                                skip_through=req.after_block if req.HasField("after_block") else None)
+                                skip_through=req.after_block if req.HasField("after_block") else None,
+                                isd=self.model.causal)
 
     # ---- unary ------------------------------------------------------------------------------
     async def cancel(self, request_id: str) -> common_pb2.CancelResponse:
@@ -290,6 +348,8 @@ class Pipeline:
 
     async def search_concepts(self, req: common_pb2.SearchConceptsRequest) -> common_pb2.SearchConceptsResponse:
         self.check_model(req.model)
+        if self.model.causal:
+            raise invalid(f"model '{self.model.id}' is a causal LM without concepts", "model")
         if not req.query.strip():
             raise invalid("a search query is required", "q")
         if req.limit > B.SEARCH_LIMIT_MAX:
@@ -322,6 +382,7 @@ class GenerationStream:
     done: bool = False
     finish_reason: str | None = None
     skip_through: int | None = None   # Resume: blocks up to this index only prime the detokenizer
+    isd: bool = False                 # a causal model's request: report ISD acceptance
     _primed_tokens: int = field(default=0)
     _closed: bool = field(default=False)
 
@@ -375,7 +436,7 @@ class GenerationStream:
                 fin.usage.prompt_tokens = fin.usage.prompt_tokens or self.prompt_tokens
                 fin.usage.completion_tokens = fin.usage.completion_tokens or self.detok.n_tokens - self._primed_tokens
             self.finish_reason = FINISH_REASON_TEXT.get(fin.reason, "stop")
-            self.timer.finished(self.finish_reason)
+            self.timer.finished(self.finish_reason, fin.usage, self.isd)
             return generate_pb2.GenerateResponse(finished=fin)
         raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"scheduler sent an unknown event {kind!r}")
 

@@ -114,8 +114,8 @@ class _Server(uvicorn.Server):
         yield
 
 
-def build_pipeline(s: GatewaySettings, backends: Backends) -> Pipeline:
-    model = ModelCard.load(s.model_dir, s.model_name or None)
+def build_pipeline(s: GatewaySettings, backends: Backends, model: ModelCard | None = None) -> Pipeline:
+    model = model or ModelCard.load(s.model_dir, s.model_name or None)
     limits = Limits(max_tokens_limit=s.max_tokens_limit, default_max_tokens=s.default_max_tokens,
                     request_timeout_s=s.request_timeout_s or None)
     return Pipeline(model, backends, limits, GatewayMetrics(model.id))
@@ -142,8 +142,10 @@ async def serve(settings: GatewaySettings | Any) -> GatewayHandle:
     if s.max_tokens_limit < 1 or s.max_body_bytes < 1024:
         raise ValueError("max_tokens_limit must be >= 1 and max_body_bytes >= 1024")
     auth = ApiKeyAuth(load_api_keys(s.api_keys_file or None, s.api_keys or None), s.rate_limit_rpm)
-    backends = Backends.open(s.scheduler, s.steering)
-    pipeline = build_pipeline(s, backends)
+    model = ModelCard.load(s.model_dir, s.model_name or None)
+    # A causal model has no concepts: no steering service to reach or wait for.
+    backends = Backends.open(s.scheduler, "" if model.causal else s.steering)
+    pipeline = build_pipeline(s, backends, model)
     app = build_app(pipeline, auth=auth, max_body_bytes=s.max_body_bytes)
 
     grpc_server, grpc_port, monitor = None, None, None

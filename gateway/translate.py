@@ -142,8 +142,11 @@ def usage_json(u: common_pb2.Usage) -> dict[str, Any]:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
-def usage_cde_json(u: common_pb2.Usage) -> dict[str, Any]:
-    return {"steps": u.steps, "forwards": u.forwards, "tokens_per_forward": _f(u.tokens_per_forward)}
+def usage_cde_json(u: common_pb2.Usage, isd: bool = False) -> dict[str, Any]:
+    out = {"steps": u.steps, "forwards": u.forwards, "tokens_per_forward": _f(u.tokens_per_forward)}
+    if isd:
+        out["isd_acceptance"] = _f(u.isd_acceptance)
+    return out
 
 
 @dataclass
@@ -156,6 +159,7 @@ class OpenAIFormatter:
     chat: bool
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    isd: bool = False   # a causal model's request: usage carries the ISD acceptance
 
     @property
     def id(self) -> str:
@@ -198,7 +202,7 @@ class OpenAIFormatter:
         return self._chunk([self._choice(None if self.chat else "", finish_reason)])
 
     def usage_chunk(self, u: common_pb2.Usage) -> dict[str, Any]:
-        obj = self._chunk([], cde=usage_cde_json(u))
+        obj = self._chunk([], cde=usage_cde_json(u, self.isd))
         obj["usage"] = usage_json(u)
         return obj
 
@@ -210,4 +214,4 @@ class OpenAIFormatter:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "system_fingerprint": None, "choices": [choice],
-                "usage": usage_json(usage), "cde": {**cde, **usage_cde_json(usage)}}
+                "usage": usage_json(usage), "cde": {**cde, **usage_cde_json(usage, self.isd)}}

@@ -34,8 +34,8 @@ PROMPT = "Tell me about the sea."
 
 def stack_args(run_dir: str | os.PathLike, *, workers: int = 1, scheduler_args: Sequence[str] = (),
                gateway_args: Sequence[str] = (), redis_url: str | None = None,
-               timeout: float = 240.0) -> argparse.Namespace:
-    return argparse.Namespace(model_dir=str(DEFAULT_MODEL), device="cpu", workers=workers, host="127.0.0.1",
+               timeout: float = 240.0, model_dir: str | os.PathLike = DEFAULT_MODEL) -> argparse.Namespace:
+    return argparse.Namespace(model_dir=str(model_dir), device="cpu", workers=workers, host="127.0.0.1",
                               http_port=free_port(), run_dir=str(run_dir), timeout=timeout,
                               scheduler_args=list(scheduler_args), gateway_args=list(gateway_args),
                               redis_url=redis_url)

@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-pages", type=int, default=int(env("CDE_KV_PAGES", 0)) or None,
                     help="KV pages (default: from free GPU memory; 256 on the CPU)")
     ap.add_argument("--max-slots", type=int, default=int(env("CDE_MAX_SLOTS", 64)))
+    ap.add_argument("--max-stride", type=int, default=int(env("CDE_MAX_STRIDE", 8)),
+                    help="causal models: the largest decode.isd_stride served")
     ap.add_argument("--grace", type=float, default=5.0, help="seconds to drain calls on SIGTERM/SIGINT")
     args = ap.parse_args(argv)
     if not args.model_dir:

@@ -34,20 +34,25 @@ from cde.steerling.steering import SteeringSpec, prepare
 from worker_svc.engine.engine import BlockEvent, Engine
 
 
+def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02) -> torch.nn.Module:
+    """Random weights drawn on the model's device (an 8B model in seconds): norms at 1."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".ln_" in name or name.endswith("ln_f.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+    return model
+
+
 def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> SteerlingModel:
     cfg = preset(name)
     if device == "cpu":
         return SteerlingModel(cfg).init_random(seed, std=0.05).to(dtype).eval()
     with torch.device("meta"):
         model = SteerlingModel(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name_, p in model.named_parameters():
-            if name_.endswith("norm.weight") or ".ln_" in name_ or name_.endswith("ln_f.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
+    model = fill_random(model.to_empty(device=device).to(dtype), seed)
     model.transformer.tok_emb.weight = model.transformer.lm_head.weight
     model.rebuild_rope(device)
     return model.eval()

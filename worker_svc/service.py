@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from cde.model_family import CAUSAL, model_family
 from cde.rpc import bytes_to_floats, channel_options, make_server, service_name
 from cde.rpc.serving import wait_for_shutdown_signal
 from cde.rpc.v1 import (
@@ -45,6 +46,7 @@ from cde.steerling.reference_decoder import DecodeOptions, clean_output, termina
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import PreparedSteering
 from cde.steerling.tokenizer import load_tokenizer
+from worker_svc.causal import causal_status, causal_submit
 from worker_svc.engine.async_engine import AsyncEngine
 from worker_svc.engine.engine import (
     K_BUCKETS,
@@ -303,6 +305,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_context=cfg.block_size)
 
 
+class CausalWorkerServicer(WorkerServicer):
+    """The same service over the ISD engine (worker_svc/causal.py translates)."""
+
+    async def Submit(self, request, context):
+        async for ev in causal_submit(self, request, context):
+            yield ev
+
+    async def Info(self, request, context):
+        return causal_status(self)
+
+
 # ---- registration -------------------------------------------------------------------------------
 
 class Registrar:
@@ -379,6 +392,7 @@ class WorkerOptions:
     cuda_graphs: bool = False
     kv_pages: int | None = None
     max_slots: int = 64
+    max_stride: int = 8                 # causal models: the largest decode.isd_stride served
     warmup: bool = True
 
 
@@ -416,14 +430,25 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
     """Load, warm up, serve, then (SERVING) register with the scheduler. Returns when SERVING."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[opts.dtype]
     model_dir = Path(opts.model_dir)
-    model = await asyncio.to_thread(load_model, model_dir, dtype=dtype, device=opts.device)
-    cfg = model.cfg
-    token_limit = load_tokenizer(cfg.tokenizer, model_dir).vocab_size
-    engine = Engine(model, tokenizer_vocab_size=token_limit, max_slots=opts.max_slots, n_pages=opts.kv_pages,
-                    compile=opts.compile, cuda_graphs=opts.cuda_graphs)
-    front = AsyncEngine(engine)
     model_name = opts.model_name or model_dir.resolve().name
-    servicer = WorkerServicer(front, model_name, token_limit, opts.dtype, opts.device)
+    if model_family(model_dir) == CAUSAL:   # a Qwen3 / I-DLM model: AR and ISD (decode.isd_stride)
+        from cde.qwen3.chat import load_chat_tokenizer
+        from cde.qwen3.loading import load_qwen3
+        from worker_svc.engine.isd_engine import IsdEngine
+
+        model = await asyncio.to_thread(load_qwen3, model_dir, dtype=dtype, device=opts.device)
+        token_limit = load_chat_tokenizer(model_dir, model.cfg).vocab_size
+        engine = IsdEngine(model, max_slots=opts.max_slots, n_pages=opts.kv_pages, max_stride=opts.max_stride,
+                           cuda_graphs=opts.cuda_graphs)
+        front = AsyncEngine(engine)
+        servicer: WorkerServicer = CausalWorkerServicer(front, model_name, token_limit, opts.dtype, opts.device)
+    else:
+        model = await asyncio.to_thread(load_model, model_dir, dtype=dtype, device=opts.device)
+        token_limit = load_tokenizer(model.cfg.tokenizer, model_dir).vocab_size
+        engine = Engine(model, tokenizer_vocab_size=token_limit, max_slots=opts.max_slots, n_pages=opts.kv_pages,
+                        compile=opts.compile, cuda_graphs=opts.cuda_graphs)
+        front = AsyncEngine(engine)
+        servicer = WorkerServicer(front, model_name, token_limit, opts.dtype, opts.device)
     server, health = await make_server([service_name(worker_pb2, "Worker")])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{opts.host}:{opts.port}")
@@ -451,7 +476,8 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
     return WorkerOptions(model_dir=args.model_dir, host=args.host, port=args.port, scheduler=args.scheduler or None,
                          worker_id=args.worker_id, advertise=args.advertise or None, model_name=args.model_name or None,
                          device=args.device, dtype=args.dtype, compile=args.compile, cuda_graphs=args.cuda_graphs,
-                         kv_pages=args.kv_pages, max_slots=args.max_slots)
+                         kv_pages=args.kv_pages, max_slots=args.max_slots,
+                         max_stride=getattr(args, "max_stride", 8))
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -85,18 +85,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "diffusion_block_size", "max_context", "n_known_concepts", "n_discovered_concepts")
+    __slots__ = ("id", "diffusion_block_size", "max_context", "n_known_concepts", "n_discovered_concepts", "family")
     ID_FIELD_NUMBER: _ClassVar[int]
     DIFFUSION_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     N_KNOWN_CONCEPTS_FIELD_NUMBER: _ClassVar[int]
     N_DISCOVERED_CONCEPTS_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
     id: str
     diffusion_block_size: int
     max_context: int
     n_known_concepts: int
     n_discovered_concepts: int
-    def __init__(self, id: _Optional[str] = ..., diffusion_block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_known_concepts: _Optional[int] = ..., n_discovered_concepts: _Optional[int] = ...) -> None: ...
+    family: str
+    def __init__(self, id: _Optional[str] = ..., diffusion_block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_known_concepts: _Optional[int] = ..., n_discovered_concepts: _Optional[int] = ..., family: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -1,0 +1,158 @@
+"""Serving a causal (I-DLM / Qwen3-layout) model through the same services: decode.stride.
+
+The bundled `models/idlm-tiny` (random weights, byte-level tokenizer.json) runs as a real
+stack (Redis, scheduler, worker, gateway as processes; no steering / attribution services:
+the model has no concepts). The oracle is the plain full-recompute reference decoder of
+cde/isd/decoder.py on the same checkpoint: greedy output through the services, at every
+stride, equals its greedy AR output token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from cde.isd.decoder import generate_ar
+from cde.model_family import CAUSAL, STEERLING, model_family
+from cde.qwen3.chat import load_chat_tokenizer
+from cde.qwen3.config import Qwen3Config
+from cde.qwen3.loading import load_qwen3
+from cde.qwen3.make_tiny import CONFIG, make_tiny
+from cde.rpc.v1 import common_pb2, generate_pb2
+from gateway.pipeline import ModelCard
+from tests.stack_fixture import running_stack
+
+ROOT = Path(__file__).resolve().parents[1]
+IDLM_DIR = ROOT / "models" / "idlm-tiny"
+PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def test_committed_idlm_checkpoint_is_what_make_tiny_writes(tmp_path):
+    make_tiny(tmp_path)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (tmp_path / name).read_bytes() == (IDLM_DIR / name).read_bytes(), name
+    assert Qwen3Config.load(IDLM_DIR) == CONFIG
+    assert model_family(IDLM_DIR) == CAUSAL and model_family(ROOT / "models" / "steerling-tiny") == STEERLING
+
+
+def test_chat_tokenizer_bytes_roundtrip_and_specials_never_from_text():
+    tok = load_chat_tokenizer(IDLM_DIR)
+    text = "héllo <|im_end|> <|MASK|> 日本 ✓"
+    ids = tok.encode(text)
+    assert not set(ids) & set(tok.tok.special_ids)
+    assert tok.decode_bytes(ids).decode() == text
+    chat = tok.apply_chat_template([{"role": "user", "content": text}])
+    assert chat[0] == tok.tok.token_to_id("<|im_start|>") and tok.mask_id not in chat
+    assert tok.decode_bytes([262]) == "\ufffd".encode()   # an id the tokenizer does not assign
+    with pytest.raises(ValueError, match="role"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+@pytest.mark.contract
+def test_gateway_resolves_causal_options_and_refuses_concept_features():
+    import asyncio
+
+    from gateway.errors import GatewayError
+    from gateway.metrics import GatewayMetrics
+    from gateway.pipeline import Limits, Pipeline
+
+    card = ModelCard.load(IDLM_DIR)
+    assert card.causal and card.info().family == "causal" and card.max_context == CONFIG.max_positions
+    pipe = Pipeline(card, backends=None, limits=Limits(), metrics=GatewayMetrics(card.id))
+    d = pipe.resolve_decode(common_pb2.DecodeOptions(max_new_tokens=8), 10)
+    assert d.isd_stride == 4 and d.tokens_per_step == 1
+    assert pipe.resolve_decode(common_pb2.DecodeOptions(max_new_tokens=8, isd_stride=1), 10).isd_stride == 1
+    s = pipe.resolve_sampling(common_pb2.SamplingOptions())
+    assert (s.use_entropy_sampling, s.temperature, s.top_p, s.repetition_penalty) == (False, 1.0, 1.0, 1.0)
+    bad = [
+        (lambda: pipe.resolve_decode(common_pb2.DecodeOptions(max_new_tokens=8, isd_stride=9), 10), "decode.stride"),
+        (lambda: pipe.resolve_decode(common_pb2.DecodeOptions(max_new_tokens=8, tokens_per_step=2), 10),
+         "decode.tokens_per_step"),
+        (lambda: pipe.resolve_sampling(common_pb2.SamplingOptions(repetition_penalty=1.2)), "repetition_penalty"),
+        (lambda: pipe.resolve_sampling(common_pb2.SamplingOptions(use_entropy_sampling=True)), "use_entropy_sampling"),
+        (lambda: asyncio.run(pipe.prepare(generate_pb2.GenerateRequest(
+            prompt="hi", attribution=common_pb2.ATTRIBUTION_CHUNKS))), "attribution"),
+        (lambda: asyncio.run(pipe.prepare(generate_pb2.GenerateRequest(
+            prompt="hi", steering=common_pb2.SteeringRequest(concepts=[common_pb2.SteeringConcept(name="x")])))),
+         "steering"),
+        (lambda: asyncio.run(pipe.search_concepts(common_pb2.SearchConceptsRequest(query="sea"))), "model"),
+    ]
+    for call, param in bad:
+        with pytest.raises(GatewayError) as e:
+            call()
+        assert e.value.param == param, (param, e.value.message)
+
+
+@pytest.fixture
+def report(capsys):
+    def emit(msg: str) -> None:
+        with capsys.disabled():
+            print(f"\n[causal] {msg}", flush=True)
+    return emit
+
+
+def _complete(client: httpx.Client, url: str, body: dict) -> dict:
+    r = client.post(f"{url}/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.e2e
+@pytest.mark.parity
+def test_causal_stack_greedy_isd_equals_reference_ar_at_every_stride(tmp_path, report):
+    model = load_qwen3(IDLM_DIR, dtype=torch.float32)
+    tok = load_chat_tokenizer(IDLM_DIR, model.cfg)
+    prompt_ids = tok.apply_chat_template(PROMPT)
+    want = generate_ar(model, prompt_ids, 40, temperature=0.0).tokens
+    with running_stack(tmp_path / "stack", model_dir=IDLM_DIR) as stack:
+        assert not any(s.name in ("steering", "attribution") for s in stack.services)
+        url = stack.base_url
+        with httpx.Client(timeout=120) as c:
+            models = c.get(f"{url}/v1/models").json()["data"]
+            assert models[0]["id"] == "idlm-tiny" and models[0]["cde"]["family"] == "causal"
+            figures = {}
+            for stride in (1, 2, 4, 8):
+                out = _complete(c, url, {"messages": PROMPT, "max_tokens": 40, "temperature": 0,
+                                         "decode": {"stride": stride}, "seed": 3})
+                toks = [t for b in out["cde"]["blocks"] for t in b["tokens"]]
+                assert toks == want[:_stop_cut(want, tok)], stride
+                # the text: the reference's bytes (an unfinished last character is held back)
+                text = out["choices"][0]["message"]["content"]
+                full = tok.decode_bytes(toks).decode("utf-8", "replace")
+                assert full.startswith(text) and len(full) - len(text) <= 1, stride
+                cde = out["cde"]
+                assert cde["forwards"] >= 1 and cde["isd_acceptance"] is not None
+                if stride == 1:
+                    assert cde["tokens_per_forward"] <= 1.0 + 1e-6
+                figures[stride] = (cde["tokens_per_forward"], cde["isd_acceptance"])
+            # sampled, seeded: the same seed gives the same text; streaming gives the same text too
+            body = {"messages": PROMPT, "max_tokens": 48, "temperature": 0.8, "top_p": 0.95, "seed": 11,
+                    "decode": {"stride": 4}}
+            a = _complete(c, url, body)["choices"][0]["message"]["content"]
+            b = _complete(c, url, body)["choices"][0]["message"]["content"]
+            assert a == b
+            streamed = []
+            with c.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        for ch in json.loads(line[6:])["choices"]:
+                            streamed.append(ch.get("delta", {}).get("content") or "")
+            assert "".join(streamed) == a
+            # refusals are 400s with the parameter named
+            for extra, param in (({"attribution": "chunks"}, "attribution"),
+                                 ({"decode": {"stride": 99}}, "decode.stride")):
+                r = c.post(f"{url}/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 4, **extra})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            metrics = c.get(f"{url}/metrics").text
+            assert "cde:tokens_per_forward_count" in metrics and "cde:isd_acceptance_rate_count" in metrics
+    report(f"causal stack: greedy text identical to reference AR at strides 1/2/4/8; tokens/forward, acceptance "
+           + ", ".join(f"N={n}: {tpf:.2f}, {acc:.2f}" for n, (tpf, acc) in figures.items()))
+
+
+def _stop_cut(tokens: list[int], tok) -> int:
+    return next((i for i, t in enumerate(tokens) if t in tok.stop_ids), len(tokens))

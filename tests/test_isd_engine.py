@@ -1,0 +1,509 @@
+"""The paged ISD engine against the reference decoders: token for token, counter for counter.
+
+``worker_svc.engine.isd_engine.IsdEngine`` must produce exactly what ``generate_ar_batch`` /
+``generate_isd_batch`` (cde/isd/decoder.py) produce for each request alone, whatever it is
+batched with: greedy for strides 1, 2, 3, 4, 8; seeded sampling with temperature, top-k,
+top-p and every proposal mode; R-ISD with a random LoRA (gated: base greedy AR; ungated:
+the adapted model). Batches mix prompt lengths around the 64-token page size (1, 5, 63, 64,
+65, 130), strides and settings, and requests join mid-flight. A tiny page pool forces
+preemption (outputs unchanged) or clean refusal; cancel frees pages; a request resumed
+elsewhere from a resumable commit event continues identically; ``AsyncEngine`` wraps the
+engine unchanged. The per-request usage on the finish event equals the reference's
+``DecodeStats``. The CUDA path's verify (the Triton kernel's launcher) runs under Triton's
+CPU interpreter in a child process; on a GPU the whole engine (eager and CUDA graphs) is
+checked against the reference too (``gpu``). In fp32 the paged forward is checked against
+a dense forward (<= 1e-5 relative) instead of token equality.
+
+Models run in float64 (as in tests/test_isd.py): the engine attends over pages, the
+reference recomputes left-padded full sequences, so the two sum in different orders, and
+float32 near-ties could flip an argmax or an inverse-CDF pick between two runs that are
+mathematically identical. Models: the random ``tiny`` Qwen3 preset (drafts nearly always
+rejected; its EOS row is scaled up so some requests stop early) and ``cde.isd.toy.lag_model``
+(drafts often accepted: full windows, bonus tokens, rejections at every index).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from cde.isd.decoder import DecodeStats, generate_ar_batch, generate_isd_batch
+from cde.isd.toy import lag_model
+from cde.qwen3.config import preset
+from cde.qwen3.model import Qwen3Model
+from tests.test_isd import HAS_TRITON, random_lora, run_child
+from worker_svc.engine.async_engine import AsyncEngine
+from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine, IsdFinishEvent, IsdOptions
+
+LENGTHS = (1, 5, 63, 64, 65, 130)
+NEW = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intraop_thread():
+    """Tiny tensors: a second intra-op thread only adds synchronisation, which stalls badly (40x
+    measured) when the machine's cores are busy with other work."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def fresh_seed() -> int:
+    return random.SystemRandom().randrange(1 << 30)
+
+
+def tiny_model(seed: int) -> Qwen3Model:
+    model = Qwen3Model(preset("tiny")).init_random(seed).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight[model.cfg.eos_token_ids[0]] *= 3.0  # EOS wins now and then: early stops
+    return model
+
+
+PROBE = [1, 2, 3]
+
+
+def stopping_lag_model(seed: int) -> Qwen3Model:
+    """lag_model with an EOS id: the 11th greedy token after PROBE, so PROBE's requests stop early
+    (mid-window for ISD: the tokens after it in the same step are cut)."""
+    model = lag_model(seed, lag=4, vocab=64, beta=1.0)
+    eos = generate_ar_batch(model, [PROBE], 11)[0].tokens[-1]
+    model.cfg = model.cfg.replace(eos_token_ids=(eos,))
+    return model
+
+
+def models(seed: int) -> dict[str, Qwen3Model]:
+    return {"tiny-random": tiny_model(seed), "lag4": stopping_lag_model(seed)}
+
+
+def prompts_for(model: Qwen3Model, rng: random.Random, lengths=LENGTHS) -> list[list[int]]:
+    cfg = model.cfg
+    avoid = {cfg.mask_token_id, *cfg.eos_token_ids}
+    ids = [i for i in range(cfg.vocab_size) if i not in avoid]
+    return [[rng.choice(ids) for _ in range(n)] for n in lengths]
+
+
+def reference(model: Qwen3Model, prompts, opts: IsdOptions, seeds):
+    """The oracle for one options set (rows are independent, so one call serves many requests)."""
+    if opts.stride == 1:
+        return generate_ar_batch(model, prompts, opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p,
+                                 seeds, use_lora=not opts.lora_gated)
+    return generate_isd_batch(model, prompts, opts.max_new_tokens, opts.stride, opts.temperature, opts.top_k,
+                              opts.top_p, seeds, opts.lora_gated, opts.proposal)
+
+
+def run_in_waves(engine: IsdEngine, jobs: list[tuple[str, list[int], IsdOptions]], waves: int = 3,
+                 steps_between: int = 4) -> dict[str, list]:
+    """Submit jobs in waves with steps in between (mid-flight joins); returns each request's events."""
+    handles = {}
+    per_wave = -(-len(jobs) // waves)
+    for w in range(waves):
+        for rid, prompt, opts in jobs[w * per_wave:(w + 1) * per_wave]:
+            handles[rid] = engine.submit(rid, prompt, opts)
+        for _ in range(steps_between):
+            engine.step()
+    engine.run_until_idle()
+    assert engine.stats().pages_used == 0 and engine.stats().running == 0
+    return {rid: list(engine.drain(h)) for rid, h in handles.items()}
+
+
+def check_events(rid: str, events: list, ref, opts: IsdOptions, tag: str) -> IsdFinishEvent:
+    """Tokens, finish reason, commit events and usage against the reference Generation."""
+    fins = [e for e in events if isinstance(e, IsdFinishEvent)]
+    assert len(fins) == 1 and events[-1] is fins[0], f"{tag} {rid}: one finish event, last"
+    fin = fins[0]
+    assert fin.output_tokens == ref.tokens, f"{tag} {rid}: engine {fin.output_tokens} != reference {ref.tokens}"
+    assert fin.reason == ref.finish_reason, f"{tag} {rid}"
+    commits = [e for e in events if isinstance(e, IsdCommitEvent)]
+    streamed = [t for e in commits for t in e.tokens]
+    assert streamed == fin.output_tokens, f"{tag} {rid}: commit events do not add up to the output"
+    assert [e.start for e in commits] == [sum(len(c.tokens) for c in commits[:i]) for i in range(len(commits))]
+    assert [e.step for e in commits] == sorted({e.step for e in commits}), f"{tag} {rid}: steps not increasing"
+    if opts.stride == 1:  # generate_ar_batch counts forwards (== tokens) and tokens only
+        assert (fin.stats.forwards, fin.stats.generated) == (ref.stats.forwards, ref.stats.generated), f"{tag} {rid}"
+        assert fin.stats.proposed == 0
+    else:
+        assert fin.stats == ref.stats, f"{tag} {rid}: usage {fin.stats} != reference {ref.stats}"
+        assert sum(e.proposed for e in commits) == fin.stats.proposed
+        assert sum(e.accepted for e in commits) == fin.stats.accepted
+    assert fin.steps == fin.stats.forwards and fin.completion_tokens == len(fin.output_tokens)
+    assert fin.device_forwards >= fin.stats.forwards, f"{tag} {rid}: fewer device forwards than logical ones"
+    return fin
+
+
+def check_all(model, engine_events, jobs, tag) -> dict[str, IsdFinishEvent]:
+    """Group jobs by options, run the reference once per group, compare every request."""
+    groups: dict[IsdOptions, list] = {}
+    for rid, prompt, opts in jobs:
+        groups.setdefault(dataclasses.replace(opts, seed=0), []).append((rid, prompt, opts))
+    fins = {}
+    for members in groups.values():
+        refs = reference(model, [p for _, p, _ in members], members[0][2], [o.seed for _, _, o in members])
+        for (rid, _, opts), ref in zip(members, refs):
+            fins[rid] = check_events(rid, engine_events[rid], ref, opts, tag)
+    return fins
+
+
+# =========================================================================================
+# Greedy: every stride equals greedy AR, in one mixed batch with mid-flight joins
+# =========================================================================================
+
+@pytest.mark.parity
+@pytest.mark.parametrize("kind", ["tiny-random", "lag4"])
+def test_greedy_all_strides_equal_greedy_ar(kind):
+    seed = fresh_seed()
+    model = models(seed)[kind]
+    rng = random.Random(seed)
+    prompts = prompts_for(model, rng) + [PROBE]
+    jobs = [(f"N{n}-L{len(p)}", p, IsdOptions(NEW, stride=n)) for n in (1, 2, 3, 4, 8) for p in prompts]
+    rng.shuffle(jobs)
+    events = run_in_waves(IsdEngine(model, n_pages=128), jobs)
+    fins = check_all(model, events, jobs, f"seed={seed} {kind}")  # against generate_isd_batch (and its stats)
+    ar = {len(p): g.tokens for p, g in zip(prompts, generate_ar_batch(model, prompts, NEW))}
+    for rid, prompt, _ in jobs:  # ... and every stride against greedy AR directly
+        assert fins[rid].output_tokens == ar[len(prompt)], f"seed={seed} {kind} {rid}: differs from greedy AR"
+    isd = [f for f in fins.values() if f.stats.proposed]
+    if kind == "lag4":
+        assert all(fins[f"N{n}-L3"].reason == "stop" for n in (1, 2, 3, 4, 8)), f"seed={seed}: PROBE must stop"
+        acc, prop = sum(f.stats.accepted for f in isd), sum(f.stats.proposed for f in isd)
+        assert 0 < acc < prop and sum(f.stats.full_accepts for f in isd) > 0, f"seed={seed}: paths not exercised"
+        assert sum(f.stats.generated for f in isd) > sum(f.stats.forwards for f in isd), \
+            f"seed={seed}: ISD should emit more than one token per forward on the lag model"
+
+
+# =========================================================================================
+# Seeded sampling: the same draws as the reference, batched with anything
+# =========================================================================================
+
+SAMPLED = [  # stride, temperature, top_k, top_p, proposal
+    (1, 0.8, 0, 1.0, "sample"),
+    (1, 1.1, 5, 0.9, "sample"),
+    (2, 0.7, 0, 1.0, "sample"),
+    (3, 1.3, 6, 0.9, "sample"),
+    (4, 0.6, 0, 0.95, "argmax_onehot"),
+    (3, 0.9, 0, 1.0, "argmax"),
+    (8, 0.8, 4, 1.0, "sample"),
+    (2, 0.0, 0, 1.0, "sample"),  # a greedy ISD row in the same batch
+]
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("kind", ["tiny-random", "lag4"])
+def test_seeded_sampling_equals_reference_batched_and_joining(kind):
+    seed = fresh_seed()
+    model = models(seed)[kind]
+    rng = random.Random(seed)
+    jobs = []
+    for c, (n, t, k, p, prop) in enumerate(SAMPLED):
+        for prompt in prompts_for(model, rng, rng.sample(LENGTHS, 2)) + [PROBE]:
+            opts = IsdOptions(NEW, stride=n, temperature=t, top_k=k, top_p=p, proposal=prop,
+                              seed=rng.randrange(1 << 40))
+            jobs.append((f"c{c}-L{len(prompt)}-{len(jobs)}", prompt, opts))
+    rng.shuffle(jobs)
+    events = run_in_waves(IsdEngine(model, n_pages=128), jobs, waves=4, steps_between=3)
+    fins = check_all(model, events, jobs, f"seed={seed} {kind}")
+    if kind == "lag4":  # sampled ISD rows took the accept, reject (residual) and bonus paths
+        sampled = [fins[rid].stats for rid, _, o in jobs if o.stride > 1 and o.temperature > 0]
+        acc, prop = sum(s.accepted for s in sampled), sum(s.proposed for s in sampled)
+        assert 0 < acc < prop and sum(s.full_accepts for s in sampled) > 0, f"seed={seed}"
+
+
+# =========================================================================================
+# R-ISD: LoRA at mask positions only
+# =========================================================================================
+
+@pytest.mark.parity
+def test_risd_gated_equals_base_ar_and_the_reference():
+    seed = fresh_seed()
+    model = lag_model(seed, lag=4, vocab=64, beta=1.0)
+    rng = random.Random(seed)
+    prompts = prompts_for(model, rng, (5, 65))
+    base = [g.tokens for g in generate_ar_batch(model, prompts, NEW)]  # before the adapter exists
+    random_lora(model, seed + 1, scale=0.5)
+    jobs = []
+    for n in (2, 4):
+        for gated in (True, False):
+            for prompt in prompts:
+                jobs.append((f"N{n}-g{int(gated)}-L{len(prompt)}", prompt, IsdOptions(NEW, stride=n, lora_gated=gated)))
+    for prompt in prompts:  # sampled R-ISD and an AR row with the adapter everywhere
+        jobs.append((f"S-L{len(prompt)}", prompt, IsdOptions(NEW, stride=3, temperature=0.8, seed=rng.randrange(99))))
+        jobs.append((f"AR-L{len(prompt)}", prompt, IsdOptions(NEW, stride=1, lora_gated=False)))
+    events = run_in_waves(IsdEngine(model, n_pages=64), jobs)
+    check_all(model, events, jobs, f"seed={seed}")
+    by_len = {len(p): b for p, b in zip(prompts, base)}
+    differs = 0
+    for rid, prompt, opts in jobs:
+        if opts.temperature or opts.stride == 1:
+            continue
+        out = [e for e in events[rid] if isinstance(e, IsdFinishEvent)][0].output_tokens
+        if opts.lora_gated:
+            assert out == by_len[len(prompt)], f"seed={seed} {rid}: R-ISD differs from base greedy AR"
+        else:
+            differs += out != by_len[len(prompt)]
+    assert differs, f"seed={seed}: the ungated adapter should change the output"
+
+
+# =========================================================================================
+# Scheduling: cancel, preemption, refusal, resume, AsyncEngine
+# =========================================================================================
+
+def test_cancel_frees_pages_at_the_next_step():
+    model = tiny_model(1)
+    engine = IsdEngine(model, n_pages=32)
+    engine.warmup(max_rows=2, max_new_tokens=4)
+    s = engine.stats()
+    assert s.steps > 0 and s.pages_used == 0 and not engine.requests and not engine.has_work()
+    a = engine.submit("a", list(range(150)), IsdOptions(200, stride=3))
+    b = engine.submit("b", list(range(30)), IsdOptions(200, stride=2))
+    for _ in range(3):
+        engine.step()
+    used = engine.stats().pages_used
+    assert used == len(a.pages) + len(b.pages) and len(a.pages) == 3
+    assert engine.cancel("a")
+    engine.step()
+    assert engine.stats().pages_used == len(b.pages)
+    fin = [e for e in engine.drain(a) if isinstance(e, IsdFinishEvent)]
+    assert [f.reason for f in fin] == ["cancelled"] and "a" not in engine.requests
+    assert not engine.cancel("a")
+    w = engine.submit("w", [1, 2], IsdOptions(8))
+    assert engine.cancel("w")   # cancelled while waiting: never admitted
+    engine.cancel("b")
+    engine.run_until_idle()
+    assert [e.reason for e in engine.drain(w) if isinstance(e, IsdFinishEvent)] == ["cancelled"]
+    s = engine.stats()
+    assert s.pages_used == 0 and s.running == 0 and s.waiting == 0
+
+
+@pytest.mark.parity
+def test_tiny_page_pool_preempts_and_outputs_are_unchanged():
+    seed = fresh_seed()
+    model = lag_model(seed, lag=4, vocab=64, beta=1.0)
+    rng = random.Random(seed)
+    # 7 usable pages; each request needs 1-3 at the end, together 10: some must be preempted.
+    engine = IsdEngine(model, n_pages=8)
+    jobs = []
+    for i, (length, n, t) in enumerate([(70, 3, 0.8), (10, 4, 0.7), (64, 1, 0.9), (100, 3, 0.0), (40, 2, 1.0)]):
+        prompt = prompts_for(model, rng, (length,))[0]
+        jobs.append((f"p{i}", prompt, IsdOptions(40, stride=n, temperature=t, seed=rng.randrange(1 << 30))))
+    events = run_in_waves(engine, jobs, waves=2, steps_between=2)
+    assert engine.preemptions > 0, f"seed={seed}: the pool never ran out"
+    fins = check_all(model, events, jobs, f"seed={seed}")
+    assert sum(f.preemptions for f in fins.values()) == engine.preemptions
+
+    # Whether the pool runs out while a sampled request has drafts pending depends on the draws:
+    # force it. Its stored q leaves with its slot and must come back on readmission.
+    engine = IsdEngine(model, n_pages=16)
+    jobs = [(f"q{i}", prompts_for(model, rng, (length,))[0],
+             IsdOptions(30, stride=n, temperature=0.8, seed=rng.randrange(1 << 30)))
+            for i, (length, n) in enumerate([(20, 3), (66, 4), (5, 1)])]
+    handles = {rid: engine.submit(rid, p, o) for rid, p, o in jobs}
+    forced = 0
+    while engine.has_work():
+        engine.step()
+        victims = [h for h in handles.values() if h in engine.running and h.specs is not None and not h.preemptions]
+        for victim in sorted(victims, key=lambda r: -r.admitted_at):
+            if len(victim.out) > 4:
+                engine._preempt(victim)
+                forced += 1
+    assert forced == 2 and engine.stats().pages_used == 0, f"seed={seed}: forced {forced}"
+    check_all(model, {rid: list(engine.drain(h)) for rid, h in handles.items()}, jobs, f"seed={seed} forced")
+
+
+def test_requests_that_can_never_fit_are_refused_clearly():
+    model = tiny_model(2)
+    engine = IsdEngine(model, n_pages=3)   # 2 usable pages = 128 tokens
+    big = engine.submit("big", list(range(100)), IsdOptions(40, stride=4))
+    ok = engine.submit("ok", list(range(50)), IsdOptions(10, stride=4))
+    engine.run_until_idle()
+    (fin,) = [e for e in engine.drain(big) if isinstance(e, IsdFinishEvent)]
+    assert fin.reason == "error" and "KV pages" in fin.error
+    assert [e.reason for e in engine.drain(ok) if isinstance(e, IsdFinishEvent)][0] in ("stop", "length")
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.submit("x", [1], IsdOptions(4))
+        engine.submit("x", [1], IsdOptions(4))
+    with pytest.raises(ValueError, match="context"):
+        engine.submit("y", [1] * 2000, IsdOptions(100))
+    with pytest.raises(ValueError, match="max_stride"):
+        engine.submit("z", [1], IsdOptions(4, stride=9))
+    with pytest.raises(ValueError, match="steering"):
+        engine.submit("s", [1], IsdOptions(4), steering=object())
+    with pytest.raises(ValueError, match="proposal"):
+        IsdOptions(4, proposal="greedy")
+
+
+@pytest.mark.parity
+def test_resume_from_a_resumable_commit_continues_identically():
+    seed = fresh_seed()
+    model = lag_model(seed, lag=4, vocab=64, beta=1.0)
+    rng = random.Random(seed)
+    prompt = prompts_for(model, rng, (40,))[0]
+    for opts in (IsdOptions(40, stride=3, temperature=0.9, seed=seed), IsdOptions(40, stride=4)):
+        first = IsdEngine(model, n_pages=16)
+        h = first.submit("r", prompt, opts)
+        first.run_until_idle()
+        events = list(first.drain(h))
+        full = events[-1].output_tokens
+        commits = [e for e in events if isinstance(e, IsdCommitEvent)]
+        points = [e for e in commits[1:-1] if e.resumable]
+        assert points, f"seed={seed}: no resumable point"
+        at = points[len(points) // 2]
+        done = at.start + len(at.tokens)
+        second = IsdEngine(model, n_pages=16)
+        h2 = second.submit("r", prompt, opts, committed=full[:done], next_step=at.step)
+        second.run_until_idle()
+        rest = list(second.drain(h2))
+        assert rest[-1].output_tokens == full, f"seed={seed} {opts}: resumed output differs"
+        assert [t for e in rest if isinstance(e, IsdCommitEvent) for t in e.tokens] == full[done:]
+
+
+@pytest.mark.parity
+def test_async_engine_wraps_the_isd_engine():
+    seed = fresh_seed()
+    model = lag_model(seed, lag=4, vocab=64, beta=1.0)
+    prompts = prompts_for(model, random.Random(seed), (3, 70))
+    opts = IsdOptions(20, stride=4, temperature=0.7, seed=seed)
+    ref = reference(model, prompts, opts, [seed, seed])
+    engine = AsyncEngine(IsdEngine(model, n_pages=16))
+    engine.start()
+
+    async def one(i):
+        return [e async for e in engine.generate(f"a{i}", prompts[i], opts)]
+
+    async def both():
+        return await asyncio.gather(one(0), one(1))
+
+    try:
+        results = asyncio.run(both())
+    finally:
+        engine.stop()
+    for evs, g in zip(results, ref):
+        assert isinstance(evs[-1], IsdFinishEvent) and evs[-1].output_tokens == g.tokens
+    assert engine.stats().pages_used == 0
+
+
+@pytest.mark.parity
+def test_request_stop_ids_end_like_eos():
+    seed = fresh_seed()
+    model = lag_model(seed, lag=4, vocab=64, beta=1.0)   # no EOS of its own
+    prompt = prompts_for(model, random.Random(seed), (9,))[0]
+    full = generate_ar_batch(model, [prompt], 30)[0].tokens
+    stop = full[7]
+    want = full[: full.index(stop) + 1]
+    engine = IsdEngine(model, n_pages=8)
+    handles = [engine.submit(f"s{n}", prompt, IsdOptions(30, stride=n, stop_ids=(stop,))) for n in (1, 3, 8)]
+    engine.run_until_idle()
+    for h in handles:
+        fin = list(engine.drain(h))[-1]
+        assert (fin.output_tokens, fin.reason) == (want, "stop"), f"seed={seed} {h.request_id}"
+
+
+def test_usage_fields_add_up():
+    """Tokens per forward and acceptance on the finish event (what usage/metrics will report)."""
+    model = lag_model(3, lag=4, vocab=64, beta=1.0)
+    engine = IsdEngine(model, n_pages=16)
+    h = engine.submit("u", [1, 2, 3, 4, 5], IsdOptions(48, stride=4))
+    engine.run_until_idle()
+    fin = list(engine.drain(h))[-1]
+    st: DecodeStats = fin.stats
+    assert st.generated == len(fin.output_tokens) == 48
+    assert st.forwards == 1 + st.cold_steps + st.verify_steps == fin.device_forwards
+    assert st.proposed == 3 * st.verify_steps and 0 <= st.accepted <= st.proposed
+    assert st.tokens_per_forward == 48 / st.forwards > 1.0
+    assert 0.0 < st.acceptance <= 1.0
+
+
+def test_fp32_paged_forward_matches_the_dense_forward():
+    """In fp32 the engine's window logits equal a dense causal forward of prefix + window (<= 1e-5
+    relative) for every row that samples, at states reached by real decoding: the paged
+    attention, the per-token K/V writes and the window gather are the same computation."""
+    seed = fresh_seed()
+    model = Qwen3Model(preset("tiny")).init_random(seed).float().eval()
+    rng = random.Random(seed)
+    engine = IsdEngine(model, n_pages=32)
+    for i, (length, n) in enumerate([(1, 1), (63, 3), (64, 4), (130, 2), (7, 8)]):
+        engine.submit(f"f{i}", prompts_for(model, rng, (length,))[0],
+                      IsdOptions(30, stride=n, temperature=0.8, seed=seed + i))
+    execute, forward = engine._execute, engine.runner.forward
+    seen: dict = {}
+
+    def capture(inp, window):
+        seen["inp"], seen["logits"] = inp, forward(inp, window)
+        return seen["logits"]
+
+    def check(rows):
+        result = execute(rows)
+        inp, logits = seen["inp"], seen["logits"]
+        for i, row in enumerate(rows):
+            if row.kind == "prefill":
+                continue
+            n_read = 1 if row.kind == "first" else row.length
+            prefix = (row.req.prompt + row.req.out)[: row.start]
+            window = inp.tokens[i, : row.length].tolist()
+            end = len(prefix) + row.length
+            with torch.no_grad():
+                dense = model(torch.tensor([prefix + window]))[0, end - n_read: end]
+            got = logits[i, :n_read]
+            err = float((got - dense).abs().max() / dense.abs().max())
+            assert err <= 1e-5, f"seed={seed} {row.req.request_id} {row.kind}: relative error {err:.2e}"
+            seen["checked"] = seen.get("checked", 0) + 1
+        return result
+
+    engine.runner.forward = capture
+    engine._execute = check
+    engine.run_until_idle()
+    assert seen["checked"] > 40
+
+
+def triton_engine_child() -> None:
+    """Runs with TRITON_INTERPRET=1 (see test_engine_with_the_triton_kernel_under_the_interpreter)."""
+    from cde.isd.verify_kernel import launch
+
+    torch.set_num_threads(1)
+    seed = fresh_seed()
+    model = stopping_lag_model(seed)
+    rng = random.Random(seed)
+    jobs = [(f"c{c}-{i}", prompt, IsdOptions(16, stride=n, temperature=t, top_k=k, top_p=p, proposal=prop,
+                                             seed=rng.randrange(1 << 40)))
+            for c, (n, t, k, p, prop) in enumerate(SAMPLED)
+            for i, prompt in enumerate(prompts_for(model, rng, (3, 65)))]
+    engine = IsdEngine(model, n_pages=64, verify_fn=lambda *a: launch(*a, block=16))  # the CUDA path's verify
+    fins = check_all(model, run_in_waves(engine, jobs), jobs, f"seed={seed} triton-interpreter")
+    print(sum(f.stats.proposed for f in fins.values()))
+
+
+@pytest.mark.parity
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
+def test_engine_with_the_triton_kernel_under_the_interpreter():
+    """The engine verifies with the Triton kernel's launcher on CUDA (rows padded to the step's K,
+    non-verify rows as greedy dummies); under Triton's CPU interpreter it must give the same tokens."""
+    proc = run_child("from tests.test_isd_engine import triton_engine_child; triton_engine_child()", interpret=True)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    assert int(proc.stdout.strip().splitlines()[-1]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parity
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_cuda_engine_with_the_triton_verify_equals_the_reference(cuda_graphs):
+    """On CUDA the engine verifies with the Triton kernel (eager, or replayed as CUDA graphs);
+    float64 weights, so greedy and seeded sampled output must still equal the reference
+    decoder (verify_torch on the CPU)."""
+    pytest.importorskip("triton")
+    seed = fresh_seed()
+    model = lag_model(seed, lag=4, vocab=64, beta=1.0)
+    rng = random.Random(seed)
+    jobs = []
+    for c, (n, t, k, p, prop) in enumerate(SAMPLED):
+        for prompt in prompts_for(model, rng, rng.sample(LENGTHS, 2)):
+            jobs.append((f"c{c}-{len(jobs)}", prompt, IsdOptions(NEW, stride=n, temperature=t, top_k=k, top_p=p,
+                                                                  proposal=prop, seed=rng.randrange(1 << 40))))
+    engine = IsdEngine(model.cuda(), n_pages=64, cuda_graphs=cuda_graphs)
+    from cde.isd.verify_kernel import launch
+    assert engine.runner.verify_fn is launch
+    events = run_in_waves(engine, jobs, waves=3, steps_between=3)
+    assert (engine.stats().graphs > 0) == cuda_graphs
+    check_all(model.cpu(), events, jobs, f"seed={seed} cuda graphs={cuda_graphs}")

@@ -1,0 +1,185 @@
+"""Benchmark the causal engine: ISD (stride N) vs plain AR, ms/forward vs the floor, verify time.
+
+    python -m worker_svc.bench_isd --preset idlm-8b --out bench/results/isd-idlm-8b-h200.json
+    python -m worker_svc.bench_isd --preset tiny --concurrency 1,4 --new-tokens 32   # CPU smoke run
+
+idlm-8b uses random bf16 weights on the GPU. The floor (worker_svc.floor, the method of
+shared/perf/gpu_floor.py) is measured in the same run with the preset's sizes for a
+2N-1-query window (7 queries at N = 4) and for 1 query (AR). Each run submits C requests at
+once (prompt 128 random tokens, `--new-tokens` each, greedy) and steps the engine until all
+finish; ms/forward = wall time / engine steps (decode steps; the prefill is timed apart).
+Random weights make the acceptance meaningless (reported anyway); the forward latency is the
+figure that counts. The verify kernel is timed alone on the step's shapes (CUDA events).
+Writes one JSON after every run (fields of shared/perf/ANCHORS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cde.qwen3.config import preset
+from cde.qwen3.model import Qwen3Model
+from worker_svc.bench import fill_random, git_commit
+from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
+
+
+def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> Qwen3Model:
+    cfg = preset(name)
+    if device == "cpu":
+        return Qwen3Model(cfg).init_random(seed, std=0.05).to(dtype).eval()
+    with torch.device("meta"):
+        model = Qwen3Model(cfg)
+    model = fill_random(model.to_empty(device=device).to(dtype), seed)
+    model.rebuild_rope(device)
+    return model.eval()
+
+
+def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_tokens: int, stride: int,
+             seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = min(cfg.vocab_size, 150_000)
+    handles = []
+    for i in range(concurrency):
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+        handles.append(engine.submit(f"isd-{seed}-{i}", prompt, IsdOptions(new_tokens, stride=stride, seed=i)))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    # prefill (and the first token) apart: the figure is the steady decode forward
+    t0 = time.perf_counter()
+    while any(not h.out for h in handles) and engine.has_work():
+        engine.step()
+    sync()
+    prefill_s = time.perf_counter() - t0
+    s0, tokens0 = engine.steps, sum(len(h.out) for h in handles)
+    t = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    sync()
+    wall = time.perf_counter() - t
+    steps = engine.steps - s0
+    fins = [e for h in handles for e in engine.drain(h) if isinstance(e, IsdFinishEvent)]
+    generated = sum(f.completion_tokens for f in fins) - tokens0
+    proposed = sum(f.stats.proposed for f in fins)
+    accepted = sum(f.stats.accepted for f in fins)
+    return {"concurrency": concurrency, "stride": stride, "attribution": False, "steering": False,
+            "prompt_tokens": prompt_len, "new_tokens": new_tokens, "decode_steps": steps,
+            "ms_per_forward": wall / max(steps, 1) * 1e3, "tok_per_s": generated / wall if wall else None,
+            "tokens_per_forward_per_request": generated / max(steps, 1) / concurrency,
+            "acceptance": accepted / proposed if proposed else None, "prefill_s": prefill_s,
+            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+            "pages_total": engine.kv.pool.usable}
+
+
+def time_verify(cfg, rows: int, stride: int, iters: int = 50) -> float | None:
+    """ms per call of the step's verify (Triton kernel) on (rows, N-1) drafts over the vocabulary."""
+    if not torch.cuda.is_available():
+        return None
+    from cde.isd.verify_kernel import launch as verify_triton   # what the engine calls (no host checks)
+    k, v = stride - 1, cfg.vocab_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    p = torch.randn(rows, k, v, device="cuda", generator=g, dtype=torch.float32)
+    q = torch.randn(rows, k, v, device="cuda", generator=g, dtype=torch.float32)
+    drafts = torch.randint(0, v, (rows, k), device="cuda", generator=g)
+    temp = torch.full((rows,), 0.8, device="cuda")
+    ua = torch.rand(rows, k, device="cuda", generator=g)
+    ur = torch.rand(rows, k, device="cuda", generator=g)
+    greedy = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    args = (p, q, drafts, temp, ua, ur, greedy)
+    for _ in range(3):
+        verify_triton(*args)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        verify_triton(*args)
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / iters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="idlm-8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--concurrency", default="1,32,64")
+    ap.add_argument("--strides", default="4,1")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--max-pages", type=int, default=2048)
+    ap.add_argument("--no-floor", action="store_true")
+    ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = preset(args.preset)
+    concs = [int(c) for c in args.concurrency.split(",") if c]
+    strides = [int(n) for n in args.strides.split(",") if n]
+    result = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+              "preset": args.preset, "decoder": "isd", "torch": torch.__version__, "dtype": str(dtype),
+              "command": " ".join([sys.executable, "-m", "worker_svc.bench_isd"] + sys.argv[1:]),
+              "floor": None, "runs": [], "verify_ms": {}}
+    out = Path(args.out) if args.out else None
+
+    def save():
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+
+    if cuda and not args.no_floor:
+        from worker_svc.floor import measure_floor
+        result["floor"] = {}
+        for n in sorted(set(strides)):
+            q = 2 * n - 1
+            f = measure_floor(cfg.n_layers, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate, cfg.vocab_size,
+                              concs, queries=q, context=args.prompt_tokens + args.new_tokens // 2)
+            result["floor"][f"{q}_query"] = {str(b): round(v, 3) for b, v in f.items()}
+            print(f"floor {q}-query: {result['floor'][f'{q}_query']}", flush=True)
+        save()
+    t = time.perf_counter()
+    model = build_model(args.preset, args.device, dtype)
+    engine = IsdEngine(model, max_slots=max(concs + [4]), n_pages=args.max_pages, max_stride=max(strides + [1]),
+                       **({"cuda_graphs": True} if args.cuda_graphs else {}))
+    print(f"model + engine ready in {time.perf_counter() - t:.0f} s; pages {engine.kv.pool.usable}", flush=True)
+    t = time.perf_counter()
+    for c in concs:   # warm-up: every shape the measured runs use
+        for n in strides:
+            run_once(engine, cfg, c, args.prompt_tokens, 2 * n + 2, n, 999)
+    result["warmup_s"] = time.perf_counter() - t
+    print(f"warm-up {result['warmup_s']:.0f} s", flush=True)
+    for i, c in enumerate(concs):
+        for n in strides:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            r = run_once(engine, cfg, c, args.prompt_tokens, args.new_tokens, n, i + 1)
+            floor = (result["floor"] or {}).get(f"{2 * n - 1}_query", {}).get(str(c))
+            if floor:
+                r["floor_ms_per_forward"] = floor
+                r["ratio_to_floor"] = r["ms_per_forward"] / floor
+            result["runs"].append(r)
+            save()
+            print(f"C={c:3d} N={n}: {r['ms_per_forward']:7.2f} ms/fwd (floor {floor or 0:6.2f}, ratio "
+                  f"{r.get('ratio_to_floor', 0):5.2f})  {r['tok_per_s'] or 0:8.1f} tok/s  tokens/fwd/req "
+                  f"{r['tokens_per_forward_per_request']:.2f}  acceptance {r['acceptance']}", flush=True)
+        if cuda:
+            for n in strides:
+                if n > 1:
+                    result["verify_ms"][f"C{c}_N{n}"] = time_verify(cfg, c, n)
+            save()
+    by = {(r["concurrency"], r["stride"]): r["ms_per_forward"] for r in result["runs"]}
+    result["isd_over_ar_forward"] = {str(c): by[(c, n)] / by[(c, 1)] for c in concs for n in strides
+                                     if n > 1 and (c, 1) in by and (c, n) in by}
+    result["sglang_isd_over_ar_reference"] = {"1": 1.04, "64": 1.20}
+    save()
+    print(json.dumps({"isd_over_ar_forward": result["isd_over_ar_forward"], "verify_ms": result["verify_ms"]}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

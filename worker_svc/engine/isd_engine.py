@@ -1,0 +1,557 @@
+"""ISD as a decoding strategy on the paged runtime: continuous batching for causal Qwen3 models.
+
+The reference decoders (``cde/isd/decoder.py``) recompute everything every forward; this
+engine runs the same step machine on a paged KV cache and batches all running requests into
+one forward per step, with the public surface of ``worker_svc.engine.engine.Engine``
+(``submit``, ``cancel``, ``has_work``, ``step``, ``stats``, ``warmup``, ``run_until_idle``,
+``drain``, ``requests``, per-request ``events``) so ``AsyncEngine`` wraps it unchanged.
+
+A request's state is host-side: its tokens (``out[-1]`` is the pending token, the one
+without K/V yet), the drafts to verify next (or None: the next step is cold), its logical
+forward count (the reference's ``DecodeStats.forwards``, the proposal draws' step counter)
+and ``kv_len``, how many tokens of ``prompt + out`` have valid K/V in its pages. Each step
+gives every running request rows of one batch:
+
+* prefill: chunks of up to ``prefill_chunk`` prompt tokens (several chunk rows of one request
+  may share a step: every row writes its K/V before any row attends). The chunk holding the
+  last prompt token samples t0 from its logits, as the reference's prefill does;
+* decode, stride N: cold ``[t0, M x (N-1)]`` (N queries) or verify
+  ``[pending, s_1..s_{N-1}, M x (N-1)]`` (2N-1 queries); N = 1 is plain AR (1 query).
+  Rows are padded to a common query length Q; the window's K/V go to the request's pages at
+  their absolute positions, and after the step ``kv_len`` becomes the new window start:
+  rejected drafts and mask slots are never context, the next window overwrites them.
+
+Verify, acceptance, residual, bonus and the seeded draws follow the reference exactly (same
+``counter_uniform`` streams, positions and step counters), so in float64 the engine's tokens
+equal ``generate_ar_batch`` / ``generate_isd_batch`` token for token, greedy or sampled,
+whatever a request is batched with (tests/test_isd_engine.py).
+
+Scheduling: requests join and leave between steps; a cancelled request's pages are freed at
+the next step. When a request needs a page and none is free, the most recently admitted
+running request (possibly itself) is preempted: pages and slot freed, host state and stored
+draft logits kept; on readmission its ``prompt + out[:-1]`` is prefilled again (no sampling,
+no logical forward) and decoding resumes where it stopped, with identical output. A request
+that could not fit even in an empty pool finishes with an "error" event instead.
+
+Events (per request, in ``req.events``):
+
+* ``IsdCommitEvent`` after every step that produced tokens: the accepted tokens (cut at a stop),
+  where they start in the completion, the request's logical forward count, the drafts
+  verified/accepted this step, and ``resumable``: True when the next step is cold, i.e.
+  ``submit(..., committed=<all tokens so far>, next_step=step)`` elsewhere continues exactly
+  as this engine would (from a non-resumable point the continuation is still greedy-exact and
+  distribution-exact, but not draw-for-draw identical).
+* ``IsdFinishEvent`` (a ``FinishEvent``) at the end, with usage: the ``DecodeStats`` the
+  reference would report (forwards, tokens per forward, drafts proposed/accepted...), plus
+  the physical forwards the request took part in (prefill chunks and recomputation counted)
+  and its preemptions. For a resumed request ``forwards`` continues from ``next_step`` and
+  ``generated`` counts the committed tokens too; the draft counters cover this engine only.
+
+The device step (``isd_runner.py``) has fixed shapes per (rows, pages, Q, K) bucket;
+``cuda_graphs=True`` replays it through ``isd_graphs.py``.
+
+Stops: the model's EOS ids plus the request's ``stop_ids``; the stop token is kept (as the
+reference keeps EOS) and tokens after it in the same step are dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from cde.isd.decoder import PROPOSALS, DecodeStats
+from cde.qwen3.model import Qwen3Model
+from worker_svc.engine.engine import ROW_BUCKETS, EngineStats, FinishEvent, bucket
+from worker_svc.engine.isd_runner import PAGE, PROPOSAL_CODES, IsdInputs, IsdRunner, VerifyFn
+from worker_svc.engine.kv_cache import KVCache
+
+Q_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+PAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+# row kinds
+PREFILL, FIRST, COLD, VERIFY = "prefill", "first", "cold", "verify"
+
+
+# ---- options and events ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IsdOptions:
+    """Per-request decoding options (the reference decoder's arguments)."""
+
+    max_new_tokens: int = 64
+    stride: int = 1              # N: 1 = plain AR, >= 2 = ISD with N - 1 drafts per step
+    temperature: float = 0.0     # 0 = greedy
+    top_k: int = 0               # 0 = off
+    top_p: float = 1.0           # 1 = off
+    seed: int = 0
+    proposal: str = "sample"     # "sample" | "argmax_onehot" | "argmax" (see cde/isd/decoder.py)
+    lora_gated: bool = True      # R-ISD: an attached LoRA only at [MASK] positions (False: everywhere)
+    stop_ids: tuple[int, ...] = ()  # ids that end the request like the model's EOS (kept in the output)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+        if self.max_new_tokens <= 0:
+            raise ValueError("max_new_tokens must be positive")
+        if self.stride < 1:
+            raise ValueError("stride must be >= 1")
+        if self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        if self.proposal not in PROPOSALS:
+            raise ValueError(f"proposal must be one of {PROPOSALS}, got {self.proposal!r}")
+        if not -(1 << 63) <= self.seed < (1 << 63):
+            raise ValueError("seed must fit in int64")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class IsdCommitEvent:
+    request_id: str
+    step: int              # the request's logical forwards so far (DecodeStats.forwards)
+    start: int             # index of tokens[0] in the completion
+    tokens: list[int]      # accepted this step, cut at a stop
+    proposed: int = 0      # drafts verified this step
+    accepted: int = 0      # of those, accepted
+    resumable: bool = True  # the next step is cold: committed = completion so far, next_step = step resumes exactly
+
+
+@dataclass
+class IsdFinishEvent(FinishEvent):
+    stats: DecodeStats = field(default_factory=DecodeStats)  # as the reference decoder counts them
+    device_forwards: int = 0   # forwards the request had rows in (prefill chunks, recomputation included)
+    preemptions: int = 0
+
+
+# ---- host-side request state ----------------------------------------------------------------
+
+@dataclass
+class IsdRequest:
+    request_id: str
+    prompt: list[int]
+    options: IsdOptions
+    arrival: int
+    out: list[int] = field(default_factory=list)      # generated tokens; out[-1] is pending (no K/V yet)
+    specs: list[int] | None = None                    # drafts for the next (verify) step; None: cold
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    events: deque = field(default_factory=deque)
+    kv_len: int = 0
+    slot: int = 0
+    pages: list[int] = field(default_factory=list)
+    saved_q: Tensor | None = None                     # the drafts' q logits while preempted
+    admitted_at: int = -1
+    device_forwards: int = 0
+    preemptions: int = 0
+    done: bool = False
+    cancelled: bool = False
+
+    @property
+    def stride(self) -> int:
+        return self.options.stride
+
+    @property
+    def kv_target(self) -> int:
+        """Tokens that must have K/V before the next decode window: all but the pending one."""
+        return len(self.prompt) + len(self.out) - 1 if self.out else len(self.prompt)
+
+    def window(self) -> tuple[str, int]:
+        """The next decode row: (kind, query length)."""
+        n = self.stride
+        return (VERIFY, 2 * n - 1) if self.specs is not None else (COLD, n)
+
+    def stops(self, eos: frozenset[int]) -> frozenset[int]:
+        return eos | frozenset(self.options.stop_ids)
+
+    def max_extent(self) -> int:
+        """Largest position + 1 any row of this request can reach before it finishes."""
+        p = len(self.prompt)
+        return max(p, p + self.options.max_new_tokens + 2 * self.stride - 3)
+
+
+@dataclass
+class _Row:
+    req: IsdRequest
+    kind: str
+    start: int    # absolute position of the row's first query token
+    length: int   # real query tokens
+
+
+def pages_for(n_tokens: int) -> int:
+    return -(-n_tokens // PAGE)
+
+
+def cut_at_stop(tokens: list[int], stops: frozenset[int], max_new: int) -> tuple[list[int], str | None]:
+    """The reference's stop rule: the first EOS (kept) within max_new, else max_new; None: go on."""
+    for i, t in enumerate(tokens[:max_new]):
+        if t in stops:
+            return tokens[:i + 1], "stop"
+    if len(tokens) >= max_new:
+        return tokens[:max_new], "length"
+    return tokens, None
+
+
+class IsdEngine:
+    def __init__(self, model: Qwen3Model, *, max_slots: int = 64, n_pages: int | None = None, max_stride: int = 8,
+                 prefill_chunk: int = 64, max_prefill_rows: int = 8, kv_fraction: float = 0.85,
+                 verify_fn: VerifyFn | None = None, cuda_graphs: bool = False):
+        if model.cfg.mask_token_id is None and max_stride > 1:
+            raise ValueError("ISD (stride > 1) needs a model config with mask_token_id")
+        if prefill_chunk not in Q_BUCKETS:
+            raise ValueError(f"prefill_chunk must be one of {Q_BUCKETS}")
+        self.model = model.eval()
+        self.cfg = model.cfg
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.kv = self._make_kv(n_pages, kv_fraction, max_slots, max_stride)
+        self.max_stride = max_stride
+        self.runner = IsdRunner(model, self.kv, max_slots + 1, max(max_stride - 1, 0), verify_fn)
+        self.prefill_chunk = prefill_chunk
+        self.max_prefill_rows = max_prefill_rows
+        self._eos = frozenset(self.cfg.eos_token_ids)
+        self._free_slots = list(range(max_slots, 0, -1))
+        self.waiting: deque[IsdRequest] = deque()
+        self.running: list[IsdRequest] = []
+        self.requests: dict[str, IsdRequest] = {}
+        self._arrivals = itertools.count()
+        self._admissions = itertools.count()
+        self.steps = self.forwards = self.preemptions = 0
+        self.compiles = 0
+        self._lock = threading.Lock()
+        self._device_step = self.runner.step
+        self._graphs = None
+        if cuda_graphs:  # replay the device step per input-shape bucket (worker_svc/engine/isd_graphs.py)
+            if self.device.type != "cuda":
+                raise ValueError("cuda_graphs needs a CUDA device")
+            from worker_svc.engine.isd_graphs import IsdGraphCache
+            self._graphs = IsdGraphCache(self.runner)
+            self._device_step = self._graphs.run
+
+    def _make_kv(self, n_pages: int | None, fraction: float, max_slots: int, max_stride: int) -> KVCache:
+        cfg = self.cfg
+        per_page = KVCache.bytes_per_page(cfg.n_layers, cfg.n_kv_heads, PAGE, cfg.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            q_table = (max_slots + 1) * max(max_stride - 1, 0) * cfg.vocab_size * 4
+            free, _ = torch.cuda.mem_get_info(self.device)
+            n = int((free * fraction - q_table) // per_page)
+            n = min(n, n_pages) if n_pages is not None else n
+        else:
+            n = n_pages or 256
+        return KVCache(cfg.n_layers, max(n, 2), cfg.n_kv_heads, PAGE, cfg.head_dim, self.dtype, self.device)
+
+    # ---- public API -----------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: list[int], options: IsdOptions, steering=None,
+               committed: list[int] | None = None, next_step: int = 0) -> IsdRequest:
+        """Queue a request. ``committed`` (tokens already generated elsewhere) and ``next_step`` (the
+        logical forward count of the IsdCommitEvent they end at) resume it; exact when that event
+        was ``resumable``."""
+        if steering is not None:
+            raise ValueError("steering is not supported by the ISD engine")
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        v = self.cfg.vocab_size
+        if any(not 0 <= t < v for t in prompt):
+            raise ValueError(f"prompt token ids must lie in [0, {v})")
+        if options.stride > self.max_stride:
+            raise ValueError(f"stride {options.stride} exceeds this engine's max_stride {self.max_stride}")
+        if len(prompt) + options.max_new_tokens > self.cfg.max_positions:
+            raise ValueError(f"prompt + max_new_tokens = {len(prompt) + options.max_new_tokens} exceeds the "
+                             f"context of {self.cfg.max_positions}")
+        committed = list(committed or [])
+        if any(not 0 <= t < v for t in committed):
+            raise ValueError(f"committed token ids must lie in [0, {v})")
+        stops = self._eos | frozenset(options.stop_ids)
+        if committed and cut_at_stop(committed, stops, options.max_new_tokens)[1] is not None:
+            raise ValueError("committed tokens already end the request")
+        with self._lock:
+            if request_id in self.requests:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            req = IsdRequest(request_id, list(prompt), options, next(self._arrivals), out=committed)
+            if committed:
+                req.stats.forwards = next_step
+            self.requests[request_id] = req
+            self.waiting.append(req)
+        return req
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None or req.done:
+                return False
+            req.cancelled = True
+            return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(pool.usable, pool.used, pool.free, len(self.running), len(self.waiting),
+                           self.steps, self.forwards, self.compiles, self.preemptions,
+                           self._graphs.captures if self._graphs is not None else 0)
+
+    def warmup(self, max_rows: int = 4, max_new_tokens: int = 8, strides: tuple[int, ...] | None = None) -> None:
+        """Run throwaway requests through the shapes traffic will use (one and several rows,
+        prefill chunks, AR and ISD windows, greedy and sampled), before the worker serves."""
+        strides = strides or tuple(sorted({1, min(4, self.max_stride)}))
+        v = self.cfg.vocab_size
+        for n_rows in sorted({1, min(2, max_rows), max_rows}):
+            ids = []
+            for i in range(n_rows):
+                for n in strides:
+                    rid = f"__warmup_{n_rows}_{n}_{i}"
+                    opts = IsdOptions(max_new_tokens=max_new_tokens, stride=n, temperature=0.0 if i % 2 else 0.7,
+                                      top_k=0 if i % 2 else 8, seed=i)
+                    self.submit(rid, [i % v] * (PAGE * (i % 2) + 3), opts)
+                    ids.append(rid)
+            self.run_until_idle()
+            for rid in ids:
+                self.requests.pop(rid, None)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.has_work():
+                return
+            self.step()
+        raise RuntimeError("engine did not become idle")
+
+    def drain(self, req: IsdRequest) -> Iterator:
+        while req.events:
+            yield req.events.popleft()
+
+    # ---- scheduling -----------------------------------------------------------------------
+    def _release(self, req: IsdRequest) -> None:
+        self.kv.pool.release(req.pages)
+        req.pages = []
+        req.kv_len = 0
+        if req.slot:
+            self._free_slots.append(req.slot)
+            req.slot = 0
+
+    def _finish(self, req: IsdRequest, reason: str, error: str = "") -> None:
+        req.done = True
+        self._release(req)
+        if req in self.running:
+            self.running.remove(req)
+        cut, _ = cut_at_stop(req.out, req.stops(self._eos), req.options.max_new_tokens)
+        req.stats.generated = len(cut)
+        req.events.append(IsdFinishEvent(req.request_id, reason, list(cut), len(req.prompt), len(cut),
+                                         req.stats.forwards, error, req.stats, req.device_forwards,
+                                         req.preemptions))
+        self.requests.pop(req.request_id, None)
+
+    def _preempt(self, victim: IsdRequest) -> None:
+        if victim.specs is not None and victim.stride > 1:
+            victim.saved_q = self.runner.q_table[victim.slot, : victim.stride - 1].clone()
+        self.running.remove(victim)
+        self._release(victim)
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+        victim.preemptions += 1
+
+    def _ensure_pages(self, req: IsdRequest, n_pages: int) -> bool:
+        """Give req pages 0..n_pages-1, preempting the most recently admitted request (maybe req
+        itself: then False) while the pool is empty."""
+        while len(req.pages) < n_pages:
+            page = self.kv.pool.alloc()
+            if page is None:
+                victim = max(self.running, key=lambda r: r.admitted_at)
+                self._preempt(victim)
+                if victim is req:
+                    return False
+                continue
+            req.pages.append(page)
+        return True
+
+    def _admit(self) -> None:
+        while self.waiting and self._free_slots:
+            req = self.waiting[0]
+            if req.cancelled:
+                self.waiting.popleft()
+                self._finish(req, "cancelled")
+                continue
+            worst = pages_for(req.max_extent())
+            if worst > self.kv.pool.usable:
+                self.waiting.popleft()
+                self._finish(req, "error", f"request needs up to {worst} KV pages; the pool has {self.kv.pool.usable}")
+                continue
+            if self.kv.pool.free < min(pages_for(req.kv_target + 2 * req.stride - 1), worst):
+                break
+            self.waiting.popleft()
+            req.slot = self._free_slots.pop()
+            if req.saved_q is not None:
+                self.runner.q_table[req.slot, : req.stride - 1] = req.saved_q
+                req.saved_q = None
+            req.admitted_at = next(self._admissions)
+            self.running.append(req)
+
+    def _plan(self) -> list[_Row]:
+        rows: list[_Row] = []
+        budget = self.max_prefill_rows
+        for req in list(self.running):
+            if req not in self.running:  # preempted for an earlier request's pages
+                continue
+            own: list[_Row] = []
+            kv, target = req.kv_len, req.kv_target
+            while kv < target and (budget > 0 or not rows and not own):
+                end = min(target, kv + self.prefill_chunk)
+                own.append(_Row(req, FIRST if end == target and not req.out else PREFILL, kv, end - kv))
+                kv = end
+                budget -= 1
+            if kv == target and req.out:
+                kind, length = req.window()
+                own.append(_Row(req, kind, target, length))
+            if not own:
+                continue
+            if not self._ensure_pages(req, pages_for(max(r.start + r.length for r in own))):
+                continue
+            rows += own
+        return [r for r in rows if r.req in self.running]
+
+    # ---- one step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        with self._lock:
+            for req in [r for r in self.running if r.cancelled]:
+                self._finish(req, "cancelled")
+            for req in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(req)
+                self._finish(req, "cancelled")
+            self._admit()
+            rows = self._plan()
+        if not rows:
+            return
+        packed, k = self._execute(rows)
+        with self._lock:
+            self._apply(rows, packed, k)
+            self.steps += 1
+
+    def _execute(self, rows: list[_Row]) -> tuple[Tensor, int]:
+        mask_id = self.cfg.mask_token_id if self.cfg.mask_token_id is not None else 0
+        n = len(rows)
+        rb = bucket(n, ROW_BUCKETS)
+        k = max((r.req.stride - 1 for r in rows if r.kind in (COLD, VERIFY)), default=0)
+        q_len = bucket(max(r.length for r in rows), Q_BUCKETS)
+        pb = bucket(max(len(r.req.pages) for r in rows), PAGE_BUCKETS)
+        long = dict(dtype=torch.long)
+        tokens = torch.zeros((rb, q_len), **long)
+        positions = torch.arange(q_len).repeat(rb, 1)
+        gate = torch.zeros((rb, q_len), dtype=torch.bool)
+        write_idx = (torch.arange(q_len) % PAGE).repeat(rb, 1)   # scratch page 0
+        pages = torch.zeros((rb, pb), **long)
+        read_start = torch.zeros(rb, **long)
+        slot = torch.zeros(rb, **long)
+        win_pos = torch.zeros(rb, **long)
+        clean_j = torch.zeros(rb, **long)
+        mask_j0 = torch.ones(rb, **long)
+        verify_row = torch.zeros(rb, dtype=torch.bool)
+        drafts = torch.zeros((rb, k), **long)
+        greedy = torch.ones(rb, dtype=torch.bool)
+        temperature = torch.ones(rb, dtype=torch.float64)
+        top_k = torch.zeros(rb, **long)
+        top_p = torch.ones(rb, dtype=torch.float64)
+        seed = torch.zeros(rb, **long)
+        fwd_index = torch.zeros(rb, **long)
+        proposal = torch.zeros(rb, **long)
+        for i, row in enumerate(rows):
+            req, o = row.req, row.req.options
+            nk = req.stride - 1
+            if row.kind in (PREFILL, FIRST):
+                seq = (req.prompt + req.out)[row.start: row.start + row.length]
+                g = [not o.lora_gated] * row.length
+                read_start[i] = row.length - 1
+            elif row.kind == COLD:
+                seq = [req.out[-1]] + [mask_id] * nk
+                g = [not o.lora_gated] + [True] * nk
+                mask_j0[i] = 1
+            else:
+                assert req.specs is not None
+                seq = [req.out[-1]] + req.specs + [mask_id] * nk
+                g = [not o.lora_gated] * req.stride + [True] * nk
+                clean_j[i] = nk
+                mask_j0[i] = req.stride
+                verify_row[i] = True
+                drafts[i, :nk] = torch.tensor(req.specs)
+            ln = row.length
+            abs_pos = torch.arange(row.start, row.start + q_len)
+            tokens[i, :ln] = torch.tensor(seq)
+            positions[i] = abs_pos
+            gate[i, :ln] = torch.tensor(g)
+            pt = torch.tensor(req.pages)
+            write_idx[i, :ln] = pt[abs_pos[:ln] // PAGE] * PAGE + abs_pos[:ln] % PAGE
+            pages[i, : len(req.pages)] = pt
+            win_pos[i] = row.start + int(read_start[i])
+            if row.kind != PREFILL:
+                greedy[i] = o.greedy
+                temperature[i] = 1.0 if o.greedy else o.temperature
+                top_k[i] = o.top_k
+                top_p[i] = o.top_p
+                seed[i] = o.seed
+                fwd_index[i] = req.stats.forwards
+                proposal[i] = PROPOSAL_CODES[o.proposal]
+                if row.kind != FIRST:
+                    slot[i] = req.slot
+        dev = self.device
+        inp = IsdInputs(*(t.to(dev, non_blocking=True) for t in (
+            tokens, positions, gate, write_idx, pages, read_start, slot, win_pos, clean_j, mask_j0, verify_row,
+            drafts, greedy, temperature, top_k, top_p, seed, fwd_index, proposal)))
+        packed = self._device_step(inp, 2 * k + 1)
+        self.forwards += 1
+        return packed[:n].cpu(), k    # the step's one device-to-host copy
+
+    def _apply(self, rows: list[_Row], packed: Tensor, k: int) -> None:
+        res = packed.tolist()
+        touched: list[IsdRequest] = []
+        for row, r in zip(rows, res):
+            req = row.req
+            if req not in touched:
+                touched.append(req)
+                req.device_forwards += 1
+            if row.kind == PREFILL:
+                req.kv_len = row.start + row.length
+                continue
+            before = len(req.out)
+            st = req.stats
+            nk = req.stride - 1
+            clean, new_specs, n_acc, corr = r[0], r[1:1 + nk], r[1 + k], r[2 + k]
+            proposed = accepted = 0
+            if row.kind == FIRST:
+                req.kv_len = row.start + row.length
+                st.forwards = 1
+                req.out.append(clean)
+            elif row.kind == COLD:
+                st.forwards += 1
+                if nk:
+                    st.cold_steps += 1
+                req.kv_len = row.start + 1
+                req.out.append(clean)
+                req.specs = new_specs if nk else None
+            else:
+                st.forwards += 1
+                st.verify_steps += 1
+                drafted = req.specs
+                assert drafted is not None
+                a = min(n_acc, nk)
+                proposed, accepted = nk, a
+                st.proposed += nk
+                st.accepted += a
+                if a == nk:
+                    st.full_accepts += 1
+                    req.out.extend(drafted + [clean])
+                    req.specs = new_specs
+                else:
+                    req.out.extend(drafted[:a] + [corr])
+                    req.specs = None
+                req.kv_len = row.start + 1 + a
+            cut, reason = cut_at_stop(req.out, req.stops(self._eos), req.options.max_new_tokens)
+            if len(cut) > before:
+                req.events.append(IsdCommitEvent(req.request_id, st.forwards, before, cut[before:], proposed,
+                                                 accepted, req.specs is None))
+            if reason is not None:
+                self._finish(req, reason)

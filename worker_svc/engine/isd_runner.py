@@ -1,0 +1,214 @@
+"""Device side of one ISD engine step: paged forward over query windows, proposals, verify.
+
+Why its own runner: the Steerling runner (``runner.py``) works on 64-token block rows with
+block-causal attention; ISD on a causal Qwen3 model works on short query windows (1 token
+for AR, 2N-1 for stride N, up to 64 for a prompt chunk) with plain causal attention. One
+step here is, for R rows padded to a common query length Q:
+
+1. **forward**: every row writes the K/V of its real query tokens into its request's pages
+   at their absolute positions (padding queries write to scratch page 0), then attends over
+   its gathered page table with the mask ``key position <= query position``. That one rule
+   is "everything cached before the window" plus "causal inside the window" (window index j
+   sees indices <= j, so a [MASK] sees earlier masks); stale K/V of rejected drafts and old
+   mask slots lie at positions past the row's window start and are overwritten by the next
+   step before anything may see them, so trimming the cache is just the host moving the
+   request's valid length back. Only the W = 2K+1 window positions are put through the LM
+   head (K = the step's largest N - 1).
+2. **propose**: the clean token (prefill's t0, a cold step's c, a verify step's bonus) and
+   K drafts per row with the reference decoder's arithmetic (``cde/isd/decoder.py``):
+   argmax at T = 0, else inverse-CDF draws from ``counter_uniform(seed, position, step,
+   stream)`` with per-row temperature, top-k and top-p (``keep_mask_rows`` is
+   ``keep_mask`` row by row). The new drafts' q logits go into the per-slot q table.
+3. **verify** the drafts the host sent (last step's proposals) against this step's p with
+   the stored q: ``verify_torch`` on the CPU, the Triton kernel's launcher on CUDA.
+
+All three are one function of fixed-shape tensors per (rows, pages, Q, K) bucket with no
+Python branching on data (rows that are not verify rows are verified as greedy dummies and
+ignored by the host), so the step can later be compiled and captured as a CUDA graph. The
+results come back packed as one int64 tensor: one device-to-host copy per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cde.isd.decoder import STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREAM_SAMPLE, draw
+from cde.isd.verify import onehot_logits, verify_torch
+from cde.qwen3.model import Qwen3Model
+from cde.steerling.sampling import counter_uniform
+from worker_svc.engine.kv_cache import KVCache
+
+PAGE = 64
+
+# proposal modes as ints on the device (cde.isd.decoder.PROPOSALS order)
+PROPOSAL_CODES = {"sample": 0, "argmax_onehot": 1, "argmax": 2}
+
+VerifyFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+@dataclass
+class IsdInputs:
+    # ---- forward -------------------------------------------------------------------------
+    tokens: Tensor       # (R, Q) long; padding queries hold any id
+    positions: Tensor    # (R, Q) long absolute positions (RoPE and the causal mask)
+    gate: Tensor         # (R, Q) bool LoRA gate (1 at [MASK] positions under R-ISD)
+    write_idx: Tensor    # (R, Q) long page * 64 + offset receiving the token's K/V (padding: scratch page 0)
+    pages: Tensor        # (R, P) long page table, padded with scratch page 0
+    read_start: Tensor   # (R,) long query index of window index 0 (a prefill chunk: its last token)
+    # ---- proposals and verify ------------------------------------------------------------
+    slot: Tensor         # (R,) long row of the q table (0 = scratch: rows that propose nothing)
+    win_pos: Tensor      # (R,) long absolute position of window index 0
+    clean_j: Tensor      # (R,) long window index whose logits give the clean token
+    mask_j0: Tensor      # (R,) long window index of the first [MASK]
+    verify_row: Tensor   # (R,) bool the row carries drafts to verify
+    drafts: Tensor       # (R, K) long last step's drafts (verify rows; 0 elsewhere)
+    greedy: Tensor       # (R,) bool T == 0
+    temperature: Tensor  # (R,) float64 (1 on greedy rows; never read there)
+    top_k: Tensor        # (R,) long (0 = off)
+    top_p: Tensor        # (R,) float64 (1 = off)
+    seed: Tensor         # (R,) long
+    fwd_index: Tensor    # (R,) long the request's logical forwards before this one (proposal draws' step)
+    proposal: Tensor     # (R,) long PROPOSAL_CODES
+
+
+def keep_mask_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """``cde.isd.decoder.keep_mask`` with per-row settings: logits (R, ..., V), settings (R,).
+
+    Row b equals ``keep_mask(logits[b], temperature[b], top_k[b], top_p[b])``: the k-th largest
+    value from a sort equals topk's, and the top-p pass is the same arithmetic, skipped (kept
+    all) where top_p >= 1 as the reference skips it.
+    """
+    v = logits.shape[-1]
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    x = logits.double() / temperature.double().view(shape)
+    k = top_k.view(shape)
+    kth = x.sort(dim=-1, descending=True).values.gather(-1, (k - 1).clamp(0, v - 1).expand(*x.shape[:-1], 1))
+    keep = ((k <= 0) | (k >= v)) | (x >= kth)
+    tp = top_p.double().view(shape)
+    probs = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    keep_sorted = before < tp
+    keep_sorted[..., 0] = True
+    keep_p = torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+    return keep & (keep_p | (tp >= 1.0))
+
+
+def scaled_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """``cde.isd.decoder.scaled_logits`` per row: logits / T with filtered ids at -inf."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    t = temperature.to(x.dtype).view((-1,) + (1,) * (logits.dim() - 1))
+    return (x / t).masked_fill(~keep_mask_rows(logits, temperature, top_k, top_p), float("-inf"))
+
+
+def default_verify(device: torch.device) -> VerifyFn:
+    """verify_torch on the CPU; the Triton kernel (no host-syncing checks) on CUDA when available."""
+    if device.type == "cuda":
+        try:
+            from cde.isd.verify_kernel import launch
+        except ImportError:
+            return verify_torch
+        return launch
+    return verify_torch
+
+
+class IsdRunner:
+    """Holds the model, the KV cache and the q table; ``step`` is the device step."""
+
+    def __init__(self, model: Qwen3Model, kv: KVCache, n_slots: int, max_drafts: int,
+                 verify_fn: VerifyFn | None = None):
+        self.model = model
+        self.cfg = model.cfg
+        self.kv = kv
+        dev = model.lm_head.weight.device
+        # stored draft logits, already temperature-scaled (float32 as the reference's q_buf); slot 0 is scratch
+        self.q_table = torch.zeros(n_slots, max_drafts, self.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.verify_fn = verify_fn or default_verify(dev)
+
+    # ---- 1. forward ---------------------------------------------------------------------
+    def forward(self, inp: IsdInputs, window: int) -> Tensor:
+        """Logits (R, window, V) at query indices read_start .. read_start + window - 1 (clamped)."""
+        cfg, kv = self.cfg, self.kv
+        r, q_len = inp.tokens.shape
+        p = inp.pages.shape[1]
+        n_kv, hd = cfg.n_kv_heads, cfg.head_dim
+        dev = inp.tokens.device
+        key_pos = torch.arange(p * PAGE, device=dev)
+        mask = (key_pos[None, None, :] <= inp.positions[:, :, None])[:, None]        # (R, 1, Q, P*64)
+        # flat (page, head, offset) row of every (row, head, query) K/V vector
+        page, off = inp.write_idx // PAGE, inp.write_idx % PAGE
+        heads = torch.arange(n_kv, device=dev)[None, :, None]
+        widx = ((page[:, None, :] * n_kv + heads) * PAGE + off[:, None, :]).reshape(-1)  # (R*KV*Q,)
+        flat_pages = inp.pages.reshape(-1)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = kv.k[layer], kv.v[layer]                                          # (pages, KV, 64, hd)
+            kc.view(-1, hd).index_copy_(0, widx, k.reshape(-1, hd).to(kc.dtype))
+            vc.view(-1, hd).index_copy_(0, widx, v.reshape(-1, hd).to(vc.dtype))
+            keys = kc.index_select(0, flat_pages).view(r, p, n_kv, PAGE, hd).transpose(1, 2)
+            vals = vc.index_select(0, flat_pages).view(r, p, n_kv, PAGE, hd).transpose(1, 2)
+            keys, vals = keys.reshape(r, n_kv, p * PAGE, hd), vals.reshape(r, n_kv, p * PAGE, hd)
+            return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
+                                                  enable_gqa=True)
+
+        h = self.model.hidden_states(inp.tokens, inp.positions, attend, inp.gate)
+        idx = (inp.read_start[:, None] + torch.arange(window, device=dev)[None, :]).clamp(max=q_len - 1)
+        hw = h.gather(1, idx[..., None].expand(r, window, h.shape[-1]))
+        return self.model.logits(hw)
+
+    # ---- 2. + 3. proposals and verify -----------------------------------------------------
+    def propose_and_verify(self, inp: IsdInputs, logits: Tensor) -> Tensor:
+        """Packed (R, K + 3) int64: clean token, K new drafts, n_accepted, correction."""
+        r, w, v = logits.shape
+        k = inp.drafts.shape[1]
+        dev = logits.device
+        rows = torch.arange(r, device=dev)
+        greedy = inp.greedy
+        temp = torch.where(greedy, torch.ones_like(inp.temperature), inp.temperature)
+        zeros = torch.zeros_like(inp.seed)
+
+        # clean token at absolute position win_pos + clean_j + 1
+        clean_logits = logits[rows, inp.clean_j]                                        # (R, V)
+        u = counter_uniform(inp.seed, inp.win_pos + inp.clean_j + 1, zeros, STREAM_SAMPLE)
+        drawn = draw(scaled_rows(clean_logits, temp, inp.top_k, inp.top_p), u)
+        clean = torch.where(greedy, clean_logits.argmax(-1), drawn)
+
+        # K new drafts from the mask logits (window indices mask_j0 .. mask_j0 + K - 1)
+        mask_j = (inp.mask_j0[:, None] + torch.arange(k, device=dev)[None, :]).clamp(max=w - 1)
+        mlog = logits[rows[:, None], mask_j]                                            # (R, K, V)
+        scaled = scaled_rows(mlog, temp, inp.top_k, inp.top_p)
+        seed_k = inp.seed[:, None].expand(r, k)
+        u = counter_uniform(seed_k, inp.win_pos[:, None] + mask_j + 1, inp.fwd_index[:, None].expand(r, k),
+                            STREAM_PROPOSAL)
+        sampled = draw(scaled, u)
+        top = scaled.argmax(-1)
+        g2, prop = greedy[:, None], inp.proposal[:, None]
+        new_specs = torch.where(g2, mlog.argmax(-1),
+                                torch.where(prop == PROPOSAL_CODES["sample"], sampled, top))
+        new_q = torch.where(g2[..., None], mlog.float(),
+                            torch.where((prop == PROPOSAL_CODES["argmax_onehot"])[..., None],
+                                        onehot_logits(top, v), scaled.float()))
+
+        # verify last step's drafts: p for s_i is window index i - 1 (i = 1..K)
+        raw = logits[:, :k]
+        p_in = torch.where(greedy[:, None, None], raw.float(),
+                           raw.float().masked_fill(~keep_mask_rows(raw, temp, inp.top_k, inp.top_p), float("-inf")))
+        spos = inp.win_pos[:, None] + 1 + torch.arange(k, device=dev)[None, :]
+        ua = counter_uniform(seed_k, spos, torch.zeros_like(spos), STREAM_ACCEPT)
+        ur = counter_uniform(seed_k, spos, torch.zeros_like(spos), STREAM_RESID)
+        q_table = self.q_table.narrow(1, 0, k)
+        q_old = q_table.index_select(0, inp.slot)
+        vgreedy = greedy | ~inp.verify_row
+        vtemp = torch.where(vgreedy, torch.zeros_like(temp), temp).float()
+        n_acc, corr = self.verify_fn(p_in, q_old, inp.drafts, vtemp, ua, ur, vgreedy)
+        # the new drafts' q: read by the next step only if it is a verify step (rejection -> cold)
+        q_table.index_copy_(0, inp.slot, new_q)
+        return torch.cat([clean[:, None], new_specs, n_acc.long()[:, None], corr.long()[:, None]], dim=1)
+
+    def step(self, inp: IsdInputs, window: int) -> Tensor:
+        return self.propose_and_verify(inp, self.forward(inp, window))
