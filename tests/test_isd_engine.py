@@ -212,6 +212,27 @@ def test_seeded_sampling_equals_reference_batched_and_joining(kind):
         assert 0 < acc < prop and sum(s.full_accepts for s in sampled) > 0, f"seed={seed}"
 
 
+@pytest.mark.parity
+def test_unfiltered_steps_skip_the_vocabulary_filters_and_still_equal_the_reference():
+    """A step where no row uses top-k / top-p runs without the filter sorts (filtered=False):
+    same tokens as the reference, greedy and sampled, and the flag really was off."""
+    seed = fresh_seed()
+    model = models(seed)["lag4"]
+    rng = random.Random(seed)
+    jobs = []
+    for c, (n, t) in enumerate([(1, 0.9), (3, 0.7), (4, 1.0), (4, 0.0)]):
+        for prompt in prompts_for(model, rng, rng.sample(LENGTHS, 2)):
+            jobs.append((f"u{c}-{len(jobs)}", prompt, IsdOptions(NEW, stride=n, temperature=t,
+                                                                 seed=rng.randrange(1 << 40))))
+    engine = IsdEngine(model, n_pages=128)
+    flags = []
+    step = engine._device_step
+    engine._device_step = lambda inp, window, filtered: flags.append(filtered) or step(inp, window, filtered)
+    events = run_in_waves(engine, jobs, waves=2, steps_between=3)
+    check_all(model, events, jobs, f"seed={seed} unfiltered")
+    assert flags and not any(flags)
+
+
 # =========================================================================================
 # R-ISD: LoRA at mask positions only
 # =========================================================================================

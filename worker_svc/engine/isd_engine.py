@@ -501,7 +501,8 @@ class IsdEngine:
         inp = IsdInputs(*(t.to(dev, non_blocking=True) for t in (
             tokens, positions, gate, write_idx, pages, read_start, slot, win_pos, clean_j, mask_j0, verify_row,
             drafts, greedy, temperature, top_k, top_p, seed, fwd_index, proposal)))
-        packed = self._device_step(inp, 2 * k + 1)
+        filtered = any(r.kind != PREFILL and (r.req.options.top_k > 0 or r.req.options.top_p < 1) for r in rows)
+        packed = self._device_step(inp, 2 * k + 1, filtered)
         self.forwards += 1
         return packed[:n].cpu(), k    # the step's one device-to-host copy
 

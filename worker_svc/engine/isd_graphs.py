@@ -4,7 +4,7 @@ Same idea as graphs.py for the Steerling step: each graph owns static `IsdInputs
 a step copies its small host-built inputs into them and replays the captured forward +
 proposals + verify, so the host issues one replay instead of ~30 launches per layer. The
 bucket is the shapes of the inputs (rows, query length, pages, drafts) plus the window the
-LM head reads; all graphs share one memory pool and are captured on first use.
+LM head reads and whether any row filters its vocabulary (top-k / top-p); all graphs share one memory pool and are captured on first use.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 from worker_svc.engine.isd_runner import IsdInputs
 
 
-def _key(inp: IsdInputs, window: int) -> tuple:
-    return (window,) + tuple(tuple(getattr(inp, f.name).shape) for f in fields(IsdInputs))
+def _key(inp: IsdInputs, window: int, filtered: bool) -> tuple:
+    return (window, filtered) + tuple(tuple(getattr(inp, f.name).shape) for f in fields(IsdInputs))
 
 
 class _Graph:
-    def __init__(self, runner, pool, inp: IsdInputs, window: int):
+    def __init__(self, runner, pool, inp: IsdInputs, window: int, filtered: bool):
         dev = inp.tokens.device
         step = runner.step
         self.inp = IsdInputs(*(getattr(inp, f.name).clone() for f in fields(IsdInputs)))
@@ -32,12 +32,12 @@ class _Graph:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):   # warm up (Triton autotune / compile) outside the capture
-                step(self.inp, window)
+                step(self.inp, window, filtered)
                 runner.q_table.index_copy_(0, self.inp.slot, saved)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = step(self.inp, window)
+            self.out = step(self.inp, window, filtered)
 
     def replay(self, inp: IsdInputs):
         for f in fields(IsdInputs):
@@ -56,9 +56,9 @@ class IsdGraphCache:
     def captures(self) -> int:
         return len(self.graphs)
 
-    def run(self, inp: IsdInputs, window: int):
-        key = _key(inp, window)
+    def run(self, inp: IsdInputs, window: int, filtered: bool = True):
+        key = _key(inp, window, filtered)
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = _Graph(self.runner, self.pool, inp, window)
+            g = self.graphs[key] = _Graph(self.runner, self.pool, inp, window, filtered)
         return g.replay(inp)

@@ -99,10 +99,14 @@ def keep_mask_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     return keep & (keep_p | (tp >= 1.0))
 
 
-def scaled_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """``cde.isd.decoder.scaled_logits`` per row: logits / T with filtered ids at -inf."""
+def scaled_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool = True) -> Tensor:
+    """``cde.isd.decoder.scaled_logits`` per row: logits / T with filtered ids at -inf.
+    filtered=False: no row of the step uses top-k / top-p, so nothing is filtered (and the two
+    full-vocabulary sorts of `keep_mask_rows` are skipped: the same result, much cheaper)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     t = temperature.to(x.dtype).view((-1,) + (1,) * (logits.dim() - 1))
+    if not filtered:
+        return x / t
     return (x / t).masked_fill(~keep_mask_rows(logits, temperature, top_k, top_p), float("-inf"))
 
 
@@ -162,7 +166,7 @@ class IsdRunner:
         return self.model.logits(hw)
 
     # ---- 2. + 3. proposals and verify -----------------------------------------------------
-    def propose_and_verify(self, inp: IsdInputs, logits: Tensor) -> Tensor:
+    def propose_and_verify(self, inp: IsdInputs, logits: Tensor, filtered: bool = True) -> Tensor:
         """Packed (R, K + 3) int64: clean token, K new drafts, n_accepted, correction."""
         r, w, v = logits.shape
         k = inp.drafts.shape[1]
@@ -175,13 +179,13 @@ class IsdRunner:
         # clean token at absolute position win_pos + clean_j + 1
         clean_logits = logits[rows, inp.clean_j]                                        # (R, V)
         u = counter_uniform(inp.seed, inp.win_pos + inp.clean_j + 1, zeros, STREAM_SAMPLE)
-        drawn = draw(scaled_rows(clean_logits, temp, inp.top_k, inp.top_p), u)
+        drawn = draw(scaled_rows(clean_logits, temp, inp.top_k, inp.top_p, filtered), u)
         clean = torch.where(greedy, clean_logits.argmax(-1), drawn)
 
         # K new drafts from the mask logits (window indices mask_j0 .. mask_j0 + K - 1)
         mask_j = (inp.mask_j0[:, None] + torch.arange(k, device=dev)[None, :]).clamp(max=w - 1)
         mlog = logits[rows[:, None], mask_j]                                            # (R, K, V)
-        scaled = scaled_rows(mlog, temp, inp.top_k, inp.top_p)
+        scaled = scaled_rows(mlog, temp, inp.top_k, inp.top_p, filtered)
         seed_k = inp.seed[:, None].expand(r, k)
         u = counter_uniform(seed_k, inp.win_pos[:, None] + mask_j + 1, inp.fwd_index[:, None].expand(r, k),
                             STREAM_PROPOSAL)
@@ -197,6 +201,7 @@ class IsdRunner:
         # verify last step's drafts: p for s_i is window index i - 1 (i = 1..K)
         raw = logits[:, :k]
         p_in = torch.where(greedy[:, None, None], raw.float(),
+                           raw.float() if not filtered else
                            raw.float().masked_fill(~keep_mask_rows(raw, temp, inp.top_k, inp.top_p), float("-inf")))
         spos = inp.win_pos[:, None] + 1 + torch.arange(k, device=dev)[None, :]
         ua = counter_uniform(seed_k, spos, torch.zeros_like(spos), STREAM_ACCEPT)
@@ -210,5 +215,7 @@ class IsdRunner:
         q_table.index_copy_(0, inp.slot, new_q)
         return torch.cat([clean[:, None], new_specs, n_acc.long()[:, None], corr.long()[:, None]], dim=1)
 
-    def step(self, inp: IsdInputs, window: int) -> Tensor:
-        return self.propose_and_verify(inp, self.forward(inp, window))
+    def step(self, inp: IsdInputs, window: int, filtered: bool = True) -> Tensor:
+        """filtered: some row of the step uses top-k or top-p (a host-known flag, part of the
+        graph bucket), so the per-row vocabulary filters must run."""
+        return self.propose_and_verify(inp, self.forward(inp, window), filtered)
