@@ -62,6 +62,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -439,54 +440,60 @@ class IsdEngine:
         k = max((r.req.stride - 1 for r in rows if r.kind in (COLD, VERIFY)), default=0)
         q_len = bucket(max(r.length for r in rows), Q_BUCKETS)
         pb = bucket(max(len(r.req.pages) for r in rows), PAGE_BUCKETS)
-        long = dict(dtype=torch.long)
-        tokens = torch.zeros((rb, q_len), **long)
-        positions = torch.arange(q_len).repeat(rb, 1)
-        gate = torch.zeros((rb, q_len), dtype=torch.bool)
-        write_idx = (torch.arange(q_len) % PAGE).repeat(rb, 1)   # scratch page 0
-        pages = torch.zeros((rb, pb), **long)
-        read_start = torch.zeros(rb, **long)
-        slot = torch.zeros(rb, **long)
-        win_pos = torch.zeros(rb, **long)
-        clean_j = torch.zeros(rb, **long)
-        mask_j0 = torch.ones(rb, **long)
-        verify_row = torch.zeros(rb, dtype=torch.bool)
-        drafts = torch.zeros((rb, k), **long)
-        greedy = torch.ones(rb, dtype=torch.bool)
-        temperature = torch.ones(rb, dtype=torch.float64)
-        top_k = torch.zeros(rb, **long)
-        top_p = torch.ones(rb, dtype=torch.float64)
-        seed = torch.zeros(rb, **long)
-        fwd_index = torch.zeros(rb, **long)
-        proposal = torch.zeros(rb, **long)
+        # numpy on the host (scalar stores ~20x cheaper than into torch tensors), one tensor each
+        i64 = np.int64
+        tokens = np.zeros((rb, q_len), dtype=i64)
+        positions = np.tile(np.arange(q_len, dtype=i64), (rb, 1))
+        gate = np.zeros((rb, q_len), dtype=bool)
+        write_idx = np.tile(np.arange(q_len, dtype=i64) % PAGE, (rb, 1))   # scratch page 0
+        pages = np.zeros((rb, pb), dtype=i64)
+        read_start = np.zeros(rb, dtype=i64)
+        slot = np.zeros(rb, dtype=i64)
+        win_pos = np.zeros(rb, dtype=i64)
+        clean_j = np.zeros(rb, dtype=i64)
+        mask_j0 = np.ones(rb, dtype=i64)
+        verify_row = np.zeros(rb, dtype=bool)
+        drafts = np.zeros((rb, k), dtype=i64)
+        greedy = np.ones(rb, dtype=bool)
+        temperature = np.ones(rb, dtype=np.float64)
+        top_k = np.zeros(rb, dtype=i64)
+        top_p = np.ones(rb, dtype=np.float64)
+        seed = np.zeros(rb, dtype=i64)
+        fwd_index = np.zeros(rb, dtype=i64)
+        proposal = np.zeros(rb, dtype=i64)
         for i, row in enumerate(rows):
             req, o = row.req, row.req.options
             nk = req.stride - 1
             if row.kind in (PREFILL, FIRST):
-                seq = (req.prompt + req.out)[row.start: row.start + row.length]
-                g = [not o.lora_gated] * row.length
+                p = len(req.prompt)
+                lo, hi = row.start, row.start + row.length
+                seq = req.prompt[lo:hi] + req.out[max(lo - p, 0):max(hi - p, 0)]
+                g = not o.lora_gated
+                gate[i, :row.length] = g
                 read_start[i] = row.length - 1
             elif row.kind == COLD:
                 seq = [req.out[-1]] + [mask_id] * nk
-                g = [not o.lora_gated] + [True] * nk
+                gate[i, 0] = not o.lora_gated
+                gate[i, 1:1 + nk] = True
                 mask_j0[i] = 1
             else:
                 assert req.specs is not None
                 seq = [req.out[-1]] + req.specs + [mask_id] * nk
-                g = [not o.lora_gated] * req.stride + [True] * nk
+                gate[i, :req.stride] = not o.lora_gated
+                gate[i, req.stride:req.stride + nk] = True
                 clean_j[i] = nk
                 mask_j0[i] = req.stride
                 verify_row[i] = True
-                drafts[i, :nk] = torch.tensor(req.specs)
+                drafts[i, :nk] = req.specs
             ln = row.length
-            abs_pos = torch.arange(row.start, row.start + q_len)
-            tokens[i, :ln] = torch.tensor(seq)
+            abs_pos = np.arange(row.start, row.start + q_len, dtype=i64)
+            tokens[i, :ln] = seq
             positions[i] = abs_pos
-            gate[i, :ln] = torch.tensor(g)
-            pt = torch.tensor(req.pages)
-            write_idx[i, :ln] = pt[abs_pos[:ln] // PAGE] * PAGE + abs_pos[:ln] % PAGE
+            pt = np.asarray(req.pages, dtype=i64)
+            real = abs_pos[:ln]
+            write_idx[i, :ln] = pt[real // PAGE] * PAGE + real % PAGE
             pages[i, : len(req.pages)] = pt
-            win_pos[i] = row.start + int(read_start[i])
+            win_pos[i] = row.start + read_start[i]
             if row.kind != PREFILL:
                 greedy[i] = o.greedy
                 temperature[i] = 1.0 if o.greedy else o.temperature
@@ -498,7 +505,7 @@ class IsdEngine:
                 if row.kind != FIRST:
                     slot[i] = req.slot
         dev = self.device
-        inp = IsdInputs(*(t.to(dev, non_blocking=True) for t in (
+        inp = IsdInputs(*(torch.from_numpy(t).to(dev, non_blocking=True) for t in (
             tokens, positions, gate, write_idx, pages, read_start, slot, win_pos, clean_j, mask_j0, verify_row,
             drafts, greedy, temperature, top_k, top_p, seed, fwd_index, proposal)))
         filtered = any(r.kind != PREFILL and (r.req.options.top_k > 0 or r.req.options.top_p < 1) for r in rows)
