@@ -3,7 +3,7 @@
     python -m worker_svc.bench_isd --preset idlm-8b --out bench/results/isd-idlm-8b-h200.json
     python -m worker_svc.bench_isd --preset tiny --concurrency 1,4 --new-tokens 32   # CPU smoke run
 
-idlm-8b uses random bf16 weights on the GPU. The floor (worker_svc.floor, the method of
+idlm-8b uses random bf16 weights on the GPU (regional compile + CUDA graphs by default). The floor (worker_svc.floor, the method of
 shared/perf/gpu_floor.py) is measured in the same run with the preset's sizes for a
 2N-1-query window (7 queries at N = 4) and for 1 query (AR). Each run submits C requests at
 once (prompt 128 random tokens, `--new-tokens` each, greedy) and steps the engine until all
@@ -56,7 +56,7 @@ def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_toke
         engine.step()
     sync()
     prefill_s = time.perf_counter() - t0
-    s0, tokens0 = engine.steps, sum(len(h.out) for h in handles)
+    s0, c0, tokens0 = engine.steps, engine.compiles, sum(len(h.out) for h in handles)
     t = time.perf_counter()
     while engine.has_work():
         engine.step()
@@ -73,7 +73,7 @@ def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_toke
             "tokens_per_forward_per_request": generated / max(steps, 1) / concurrency,
             "acceptance": accepted / proposed if proposed else None, "prefill_s": prefill_s,
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-            "pages_total": engine.kv.pool.usable}
+            "pages_total": engine.kv.pool.usable, "recompiles": engine.compiles - c0}
 
 
 def time_verify(cfg, rows: int, stride: int, iters: int = 50) -> float | None:
@@ -113,7 +113,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--max-pages", type=int, default=2048)
     ap.add_argument("--no-floor", action="store_true")
-    ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="eager layers (default on GPU: regional compile)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -145,14 +146,16 @@ def main() -> None:
     t = time.perf_counter()
     model = build_model(args.preset, args.device, dtype)
     engine = IsdEngine(model, max_slots=max(concs + [4]), n_pages=args.max_pages, max_stride=max(strides + [1]),
-                       **({"cuda_graphs": True} if args.cuda_graphs else {}))
+                       cuda_graphs=cuda and not args.no_cuda_graphs, compile=cuda and not args.no_compile)
+    result["compiled"], result["cuda_graphs"] = cuda and not args.no_compile, cuda and not args.no_cuda_graphs
     print(f"model + engine ready in {time.perf_counter() - t:.0f} s; pages {engine.kv.pool.usable}", flush=True)
     t = time.perf_counter()
     for c in concs:   # warm-up: every shape the measured runs use
         for n in strides:
             run_once(engine, cfg, c, args.prompt_tokens, 2 * n + 2, n, 999)
     result["warmup_s"] = time.perf_counter() - t
-    print(f"warm-up {result['warmup_s']:.0f} s", flush=True)
+    result["compiles_after_warmup"] = engine.compiles
+    print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}", flush=True)
     for i, c in enumerate(concs):
         for n in strides:
             if cuda:

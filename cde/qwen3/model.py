@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from cde.qwen3 import kernels
 from cde.qwen3.config import Qwen3Config
 
 # attend(layer_index, q (B,H,T,hd), k (B,KV,T,hd), v (B,KV,T,hd)) -> (B,H,T,hd).
@@ -42,10 +43,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Linear):
@@ -101,13 +99,8 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return x * cos + rotate_half(x) * sin
+rotate_half = kernels.rotate_half
+apply_rope = kernels.apply_rope
 
 
 class Attention(nn.Module):
@@ -120,14 +113,16 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.kernels = kernels.EAGER
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor],
                 gate: Tensor | None) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x, gate).view(b, t, self.n_heads, self.hd)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x, gate).view(b, t, self.n_kv, self.hd)).transpose(1, 2)
+        q = self.q_proj(x, gate).view(b, t, self.n_heads, self.hd)
+        k = self.k_proj(x, gate).view(b, t, self.n_kv, self.hd)
         v = self.v_proj(x, gate).view(b, t, self.n_kv, self.hd).transpose(1, 2)
-        y = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        q, k = self.kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        y = attend(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd), gate)
 
 
@@ -137,9 +132,10 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden, cfg.intermediate)
         self.up_proj = Linear(cfg.hidden, cfg.intermediate)
         self.down_proj = Linear(cfg.intermediate, cfg.hidden)
+        self.kernels = kernels.EAGER
 
     def forward(self, x: Tensor, gate: Tensor | None) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, gate)) * self.up_proj(x, gate), gate)
+        return self.down_proj(self.kernels.silu_mul(self.gate_proj(x, gate), self.up_proj(x, gate)), gate)
 
 
 class DecoderLayer(nn.Module):
@@ -149,10 +145,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.kernels = kernels.EAGER
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend, gate: Tensor | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, gate)
-        return x + self.mlp(self.post_attention_layernorm(x), gate)
+        kn, ln1, ln2 = self.kernels, self.input_layernorm, self.post_attention_layernorm
+        a = self.self_attn(kn.rms_norm(x, ln1.weight, ln1.eps), cos, sin, attend, gate)
+        x, h = kn.add_rms_norm(x, a, ln2.weight, ln2.eps)
+        return x + self.mlp(h, gate)
 
 
 class Backbone(nn.Module):
@@ -224,6 +223,11 @@ class Qwen3Model(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v), gate)
         return self.model.norm(x)
+
+    def use_kernels(self, kn: kernels.Kernels) -> None:
+        """Run the layers' pointwise parts with `kn` (e.g. `kernels.compiled()`)."""
+        for layer in self.model.layers:
+            layer.kernels = layer.self_attn.kernels = layer.mlp.kernels = kn
 
     def logits(self, h: Tensor) -> Tensor:
         """LM head on hidden states (..., D) -> (..., V), in the model dtype.

@@ -201,7 +201,7 @@ def cut_at_stop(tokens: list[int], stops: frozenset[int], max_new: int) -> tuple
 class IsdEngine:
     def __init__(self, model: Qwen3Model, *, max_slots: int = 64, n_pages: int | None = None, max_stride: int = 8,
                  prefill_chunk: int = 64, max_prefill_rows: int = 8, kv_fraction: float = 0.85,
-                 verify_fn: VerifyFn | None = None, cuda_graphs: bool = False):
+                 verify_fn: VerifyFn | None = None, cuda_graphs: bool = False, compile: bool = False):
         if model.cfg.mask_token_id is None and max_stride > 1:
             raise ValueError("ISD (stride > 1) needs a model config with mask_token_id")
         if prefill_chunk not in Q_BUCKETS:
@@ -226,6 +226,8 @@ class IsdEngine:
         self.compiles = 0
         self._lock = threading.Lock()
         self._device_step = self.runner.step
+        if compile:
+            self._compile()
         self._graphs = None
         if cuda_graphs:  # replay the device step per input-shape bucket (worker_svc/engine/isd_graphs.py)
             if self.device.type != "cuda":
@@ -233,6 +235,19 @@ class IsdEngine:
             from worker_svc.engine.isd_graphs import IsdGraphCache
             self._graphs = IsdGraphCache(self.runner)
             self._device_step = self._graphs.run
+
+    def _compile(self) -> None:
+        """Regional compilation of the layers' pointwise parts (cde/qwen3/kernels.py): one
+        dynamic-shape graph per function for all layers and buckets; GEMMs, attention, the
+        proposals and verify stay eager kernels (replayed from CUDA graphs on a GPU)."""
+        from cde.qwen3 import kernels
+
+        def counting_backend(gm, example_inputs):
+            self.compiles += 1
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs)
+
+        self.model.use_kernels(kernels.compiled(counting_backend))
 
     def _make_kv(self, n_pages: int | None, fraction: float, max_slots: int, max_stride: int) -> KVCache:
         cfg = self.cfg
@@ -302,18 +317,21 @@ class IsdEngine:
         prefill chunks, AR and ISD windows, greedy and sampled), before the worker serves."""
         strides = strides or tuple(sorted({1, min(4, self.max_stride)}))
         v = self.cfg.vocab_size
+        # each stride alone (AR-only steps have one query: compiled code specializes sizes 1)
+        # and all mixed, at one row and several
         for n_rows in sorted({1, min(2, max_rows), max_rows}):
-            ids = []
-            for i in range(n_rows):
-                for n in strides:
-                    rid = f"__warmup_{n_rows}_{n}_{i}"
-                    opts = IsdOptions(max_new_tokens=max_new_tokens, stride=n, temperature=0.0 if i % 2 else 0.7,
-                                      top_k=0 if i % 2 else 8, seed=i)
-                    self.submit(rid, [i % v] * (PAGE * (i % 2) + 3), opts)
-                    ids.append(rid)
-            self.run_until_idle()
-            for rid in ids:
-                self.requests.pop(rid, None)
+            for group in [(n,) for n in strides] + [strides]:
+                ids = []
+                for i in range(n_rows):
+                    for n in group:
+                        rid = f"__warmup_{n_rows}_{n}_{i}_{len(group)}"
+                        opts = IsdOptions(max_new_tokens=max_new_tokens, stride=n,
+                                          temperature=0.0 if i % 2 else 0.7, top_k=0 if i % 2 else 8, seed=i)
+                        self.submit(rid, [i % v] * (PAGE * (i % 2) + 3), opts)
+                        ids.append(rid)
+                self.run_until_idle()
+                for rid in ids:
+                    self.requests.pop(rid, None)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
