@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Build-check-bench on a lent H200 (the `device` tool): one stage per call, each < 10 minutes.
+#
+#   bash bench/run_h200.sh gpu-tests   # the `gpu` tests: engines (eager + graphs), Triton verify
+#   bash bench/run_h200.sh steerling   # Steerling-8B sweep C=1..64, on/off, kernel profile at 1 and 32
+#   bash bench/run_h200.sh long        # Steerling-8B, 64 requests x 1,024 new tokens (pages, peak memory)
+#   bash bench/run_h200.sh isd         # I-DLM-8B: ISD N=4 and AR at C=1, 32, 64 vs the 7- and 1-query floors
+#   bash bench/run_h200.sh anchor      # the public reference (shared/perf/anchor_steerling_ref.py)
+#
+# Needs, carried with the call (git-ignored here): .whl/ (steerling 0.2.0 + pydantic wheels for
+# Python 3.12) and .anchor/anchor_steerling_ref.py for `anchor`. CDE_COMMIT names the commit
+# (the device copy has no .git). Results go to $OUT; commit them under bench/results/ with the
+# command that made them. Merge an anchor log into an engine JSON with
+#   python -m worker_svc.bench --merge-reference <log> --out bench/results/<engine>.json
+set -euo pipefail
+stage="${1:?stage: gpu-tests | steerling | long | isd | anchor}"
+: "${OUT:?set OUT (the device tool does)}"
+commit="${CDE_COMMIT:-unknown}"
+short="${commit:0:7}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --ignore-requires-python \
+    --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || true
+fi
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" CDE_COMMIT="$commit"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+case "$stage" in
+  gpu-tests)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_isd_engine.py tests/test_isd.py \
+      2>&1 | tee "$OUT/gpu-tests-$short.txt" ;;
+  steerling)
+    python3 -m worker_svc.bench --preset steerling-8b --long-run "" --profile 1,32 \
+      --out "$OUT/engine-steerling-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/engine-steerling-8b-h200-$short.txt" ;;
+  long)
+    python3 -m worker_svc.bench --preset steerling-8b --concurrency "" --off-concurrency "" --long-run 64x1024 \
+      --out "$OUT/engine-steerling-8b-h200-$short-long.json" 2>&1 | grep -v Warning ;;
+  isd)
+    python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,32,64 --strides 4,1 \
+      --out "$OUT/isd-idlm-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/isd-idlm-8b-h200-$short.txt" ;;
+  anchor)
+    python3 .anchor/anchor_steerling_ref.py 2>&1 | tee "$OUT/anchor-steerling-ref-h200-$short.txt" ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
