@@ -1,5 +1,7 @@
-"""The causal engine's compiled path on the CPU: regional compilation of the Qwen3 layers
-(cde/qwen3/kernels.py) gives the reference decoder's tokens and never recompiles after warm-up."""
+"""The causal engine's fast paths on the CPU: regional compilation of the Qwen3 layers
+(cde/qwen3/kernels.py) gives the reference decoder's tokens and never recompiles after warm-up;
+fused q/k/v and gate/up projections give the separate projections' forward, with and without
+a LoRA attached."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import torch
 from cde.isd.decoder import generate_ar_batch, generate_isd_batch
 from cde.isd.toy import lag_model
 from cde.qwen3 import kernels
+from cde.qwen3.config import preset
+from cde.qwen3.model import Qwen3Model
+from tests.test_isd import random_lora
 from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
@@ -62,3 +67,23 @@ def test_compiled_isd_engine_matches_the_reference_and_never_recompiles_after_wa
             (ref,) = generate_isd_batch(model, [prompt], opts.max_new_tokens, opts.stride, opts.temperature,
                                         seeds=[opts.seed])
         assert fin.output_tokens == ref.tokens, (seed, rid)
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_fused_projections_equal_the_separate_ones(with_lora):
+    seed = random.SystemRandom().randrange(1 << 30)
+    plain = Qwen3Model(preset("tiny")).init_random(seed).eval()
+    fused = Qwen3Model(preset("tiny")).eval()
+    fused.load_state_dict(plain.state_dict())
+    fused.fuse_projections()
+    if with_lora:
+        random_lora(plain, seed, 0.1)
+        random_lora(fused, seed, 0.1)
+    tokens = torch.randint(0, 500, (2, 37), generator=torch.Generator().manual_seed(seed))
+    gate = torch.rand(2, 37, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(fused(tokens, lora_gate=gate), plain(tokens, lora_gate=gate), rtol=1e-5, atol=1e-5)
+        # the separate weights are views of the fused ones: an in-place update reaches the fused GEMM
+        fused.model.layers[0].self_attn.k_proj.weight.mul_(2.0)
+        plain.model.layers[0].self_attn.k_proj.weight.mul_(2.0)
+        torch.testing.assert_close(fused(tokens, lora_gate=gate), plain(tokens, lora_gate=gate), rtol=1e-5, atol=1e-5)

@@ -114,13 +114,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
         self.kernels = kernels.EAGER
+        self.qkv: tuple[Tensor, Tensor | None] | None = None   # fused (weight, bias), see fuse_projections
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor],
                 gate: Tensor | None) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x, gate).view(b, t, self.n_heads, self.hd)
-        k = self.k_proj(x, gate).view(b, t, self.n_kv, self.hd)
-        v = self.v_proj(x, gate).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        if self.qkv is not None and not (self.q_proj.has_lora or self.k_proj.has_lora or self.v_proj.has_lora):
+            q, k, v = F.linear(x, *self.qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
+                                                    self.n_kv * self.hd], dim=-1)
+            q = q.view(b, t, self.n_heads, self.hd)
+            k = k.view(b, t, self.n_kv, self.hd)
+            v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        else:
+            q = self.q_proj(x, gate).view(b, t, self.n_heads, self.hd)
+            k = self.k_proj(x, gate).view(b, t, self.n_kv, self.hd)
+            v = self.v_proj(x, gate).view(b, t, self.n_kv, self.hd).transpose(1, 2)
         q, k = self.kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
         y = attend(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd), gate)
@@ -133,8 +141,12 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden, cfg.intermediate)
         self.down_proj = Linear(cfg.intermediate, cfg.hidden)
         self.kernels = kernels.EAGER
+        self.gate_up: Tensor | None = None   # fused weight, see fuse_projections
 
     def forward(self, x: Tensor, gate: Tensor | None) -> Tensor:
+        if self.gate_up is not None and not (self.gate_proj.has_lora or self.up_proj.has_lora):
+            g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(self.kernels.silu_mul(g, u), gate)
         return self.down_proj(self.kernels.silu_mul(self.gate_proj(x, gate), self.up_proj(x, gate)), gate)
 
 
@@ -224,6 +236,26 @@ class Qwen3Model(nn.Module):
             x = layer(x, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v), gate)
         return self.model.norm(x)
 
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """One GEMM for q/k/v and one for gate/up per layer (the HF layout keeps them apart: 7
+        GEMMs per layer become 4, fewer and larger kernels at small batch). The separate
+        weights become views into the fused tensors, so memory is unchanged and loading or
+        copying weights afterwards still reaches both; a layer with a LoRA attached uses the
+        separate projections (the adapters act on them). Call it on the model's final device
+        and dtype (`.to()` would copy the views apart), for serving, not before saving."""
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            if a.qkv is None:
+                projs = (a.q_proj, a.k_proj, a.v_proj)
+                w = torch.cat([p.weight for p in projs])
+                bias = torch.cat([p.bias for p in projs]) if a.q_proj.bias is not None else None
+                a.qkv = (w, bias)
+                _view_params(projs, w, bias)
+            if m.gate_up is None:
+                m.gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+                _view_params((m.gate_proj, m.up_proj), m.gate_up, None)
+
     def use_kernels(self, kn: kernels.Kernels) -> None:
         """Run the layers' pointwise parts with `kn` (e.g. `kernels.compiled()`)."""
         for layer in self.model.layers:
@@ -258,3 +290,14 @@ def masked_attend(mask: Tensor) -> AttendFn:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return attend
+
+
+def _view_params(projs, weight: Tensor, bias: Tensor | None) -> None:
+    """Make each projection's weight (and bias) a view of its rows of the fused tensor."""
+    start = 0
+    for p in projs:
+        n = p.out_features
+        p.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        if bias is not None:
+            p.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        start += n

@@ -207,6 +207,7 @@ class IsdEngine:
         if prefill_chunk not in Q_BUCKETS:
             raise ValueError(f"prefill_chunk must be one of {Q_BUCKETS}")
         self.model = model.eval()
+        model.fuse_projections()   # 4 GEMMs per layer instead of 7 (cde/qwen3/model.py)
         self.cfg = model.cfg
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
