@@ -262,9 +262,13 @@ def main() -> None:
     warm = sorted(set(concs + offs + ([long_run[0]] if long_run else [])))
     # warm-up: compile and capture the graphs every measured run will use
     t = time.perf_counter()
+    # Full length, so the page buckets the runs grow into are captured here and not while timed.
+    warm_len = {c: args.new_tokens for c in concs + offs}
+    if long_run:
+        warm_len[long_run[0]] = max(warm_len.get(long_run[0], 0), 2)
     try:
         for c in warm:
-            run_once(engine, model, c, args.prompt_tokens, 2, True, 999, vocab, timer)
+            run_once(engine, model, c, args.prompt_tokens, warm_len[c], True, 999, vocab, timer)
             print(f"  warm C={c} at {time.perf_counter() - t:.0f} s, compiles {engine.compiles}, "
                   f"graphs {engine.stats().graphs}", flush=True)
     except Exception as exc:  # keep measuring: eager + CUDA graphs
@@ -276,7 +280,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         engine = make_engine(False)
         for c in warm:
-            run_once(engine, model, c, args.prompt_tokens, 2, True, 999, vocab, timer)
+            run_once(engine, model, c, args.prompt_tokens, warm_len[c], True, 999, vocab, timer)
     result["compiled"] = compiled
     result["warmup_s"] = time.perf_counter() - t
     result["compiles_after_warmup"] = engine.compiles
@@ -288,8 +292,10 @@ def main() -> None:
     for i, (c, on, n) in enumerate(plan):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        g0 = engine.stats().graphs
         r = run_once(engine, model, c, args.prompt_tokens, n, on, i + 1, vocab, timer)
         r["graphs"] = engine.stats().graphs
+        r["graph_captures_while_timed"] = r["graphs"] - g0
         if result["floor"] and str(c) in result["floor"]["ms_per_forward"]:
             r["floor_ms_per_forward"] = result["floor"]["ms_per_forward"][str(c)]
             r["ratio_to_floor"] = r["ms_per_forward"] / r["floor_ms_per_forward"]

@@ -73,7 +73,8 @@ def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_toke
             "tokens_per_forward_per_request": generated / max(steps, 1) / concurrency,
             "acceptance": accepted / proposed if proposed else None, "prefill_s": prefill_s,
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-            "pages_total": engine.kv.pool.usable, "recompiles": engine.compiles - c0}
+            "pages_total": engine.kv.pool.usable, "recompiles": engine.compiles - c0,
+            "graphs": engine._graphs.captures if engine._graphs is not None else 0}
 
 
 def time_verify(cfg, rows: int, stride: int, iters: int = 50) -> float | None:
@@ -150,9 +151,9 @@ def main() -> None:
     result["compiled"], result["cuda_graphs"] = cuda and not args.no_compile, cuda and not args.no_cuda_graphs
     print(f"model + engine ready in {time.perf_counter() - t:.0f} s; pages {engine.kv.pool.usable}", flush=True)
     t = time.perf_counter()
-    for c in concs:   # warm-up: every shape the measured runs use
+    for c in concs:   # warm-up at full length: every shape (page buckets included) the measured runs use
         for n in strides:
-            run_once(engine, cfg, c, args.prompt_tokens, 2 * n + 2, n, 999)
+            run_once(engine, cfg, c, args.prompt_tokens, args.new_tokens, n, 999)
     result["warmup_s"] = time.perf_counter() - t
     result["compiles_after_warmup"] = engine.compiles
     print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}", flush=True)
