@@ -3,6 +3,7 @@
     python -m cde.client generate "Tell me about the sea" --steer ocean --attribution chunks
     python -m cde.client generate "Write a poem" --suppress anger --max-tokens 128 --seed 3
     python -m cde.client concepts ocean
+    python -m cde.client generate "Tell me about the sea" --stride 4 --temperature 0   # a causal (I-DLM) model
 
 `generate` streams a chat completion (SSE) and prints text as blocks arrive; with
 --attribution it prints the top concepts of every chunk (or token) as they close.
@@ -45,12 +46,31 @@ def sse_events(resp):
         yield json.loads(payload)
 
 
+def _served_family(args) -> str:
+    """"steerling" or "causal": what the server's model is (its /v1/models entry)."""
+    try:
+        with _request(f"{args.url}/v1/models", api_key=args.api_key) as r:
+            models = json.loads(r.read()).get("data", [])
+    except (urllib.error.URLError, ValueError):
+        return "steerling"
+    chosen = next((m for m in models if not args.model or m.get("id") == args.model), models[0] if models else {})
+    return (chosen.get("cde") or {}).get("family") or "steerling"
+
+
 def generate(args) -> int:
-    body: dict = {"model": args.model, "messages": [{"role": "user", "content": args.prompt}],
+    causal = _served_family(args) == "causal"
+    attribution = args.attribution or ("none" if causal else "chunks")
+    body: dict = {"messages": [{"role": "user", "content": args.prompt}],
                   "max_tokens": args.max_tokens, "stream": True, "stream_options": {"include_usage": True},
-                  "attribution": args.attribution}
+                  "attribution": attribution}
+    if args.model:
+        body["model"] = args.model
     if args.seed is not None:
         body["seed"] = args.seed
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
+    if args.stride:
+        body["decode"] = {"stride": args.stride}
     if args.suppress:
         body["steering"] = {"mode": "suppress", "concepts": [_concept(args.suppress)]}
     elif args.steer:
@@ -75,12 +95,15 @@ def generate(args) -> int:
         for ch in extra.get("chunk_attributions", []):
             tops = ", ".join(f"{c['label']} {c['score']:+.3f}" for c in ch.get("top", [])[: args.top])
             print(f"\n  [chunk {ch['start']}-{ch['end']}] {tops}", flush=True)
-        if args.attribution == "tokens":
+        if attribution == "tokens":
             for tok in extra.get("token_attributions", []):
                 tops = ", ".join(f"{c['label']} {c['score']:+.2f}" for c in tok.get("top", [])[: args.top])
                 print(f"\n  [token {tok['position']} {tok.get('text', '')!r}] {tops}", flush=True)
         if event.get("usage"):
             usage = event["usage"]
+        if causal and extra.get("tokens_per_forward") is not None:
+            print(f"[tokens per forward {extra['tokens_per_forward']:.2f}, ISD acceptance "
+                  f"{extra.get('isd_acceptance') or 0:.2f}]")
     if usage:
         print(f"usage: {usage}")
     return 0
@@ -107,13 +130,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--model", default="steerling-tiny")
+    ap.add_argument("--model", default="", help="model id (default: the one the server serves)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream a chat completion")
     g.add_argument("prompt")
     g.add_argument("--steer", action="append", default=[], help="concept name or id to amplify (repeatable)")
     g.add_argument("--suppress", default=None, help="concept name or id to suppress")
-    g.add_argument("--attribution", choices=["none", "tokens", "chunks", "all"], default="chunks")
+    g.add_argument("--attribution", choices=["none", "tokens", "chunks", "all"], default=None,
+                   help="default: chunks (none for a causal model, which has no concepts)")
+    g.add_argument("--stride", type=int, default=0, help="causal models: ISD stride N (1 = plain AR)")
+    g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--max-tokens", type=int, default=96)
     g.add_argument("--tokens-per-step", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)

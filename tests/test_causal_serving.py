@@ -10,6 +10,8 @@ stride, equals its greedy AR output token for token.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -150,6 +152,11 @@ def test_causal_stack_greedy_isd_equals_reference_ar_at_every_stride(tmp_path, r
                 assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
             metrics = c.get(f"{url}/metrics").text
             assert "cde:tokens_per_forward_count" in metrics and "cde:isd_acceptance_rate_count" in metrics
+        # the CLI client finds out the model is causal (no attribution by default) and passes the stride
+        cli = subprocess.run([sys.executable, "-m", "cde.client", "--url", url, "generate", "Tell me about the sea.",
+                              "--stride", "4", "--temperature", "0", "--max-tokens", "24"],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert cli.returncode == 0 and "tokens per forward" in cli.stdout, (cli.stdout, cli.stderr)
     report(f"causal stack: greedy text identical to reference AR at strides 1/2/4/8; tokens/forward, acceptance "
            + ", ".join(f"N={n}: {tpf:.2f}, {acc:.2f}" for n, (tpf, acc) in figures.items()))
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 
 import grpc
 import httpx
@@ -17,7 +19,7 @@ from cde.launch import Stack
 from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from cde.steerling.attribution import RawRecords, token_attribution, model_lookups
 from cde.steerling.loading import load_model
-from cde.launch import DEFAULT_MODEL
+from cde.launch import DEFAULT_MODEL, ROOT
 
 pytestmark = pytest.mark.e2e
 
@@ -220,3 +222,15 @@ def test_malformed_and_oversized_bodies(stack):
         assert client.get(f"{stack.base_url}/health").status_code == 200
         metrics = client.get(f"{stack.base_url}/metrics").text
         assert "cde:num_requests_running" in metrics
+
+
+def test_cli_client_streams_text_and_chunk_concepts(stack):
+    """`python -m cde.client generate` against the running gateway: text, chunk concepts, usage."""
+    out = subprocess.run([sys.executable, "-m", "cde.client", "--url", stack.base_url, "generate",
+                          "Tell me about the sea.", "--steer", "ocean", "--max-tokens", "70", "--seed", "2"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "[finish:" in out.stdout and "[chunk " in out.stdout and "usage:" in out.stdout, out.stdout
+    bad = subprocess.run([sys.executable, "-m", "cde.client", "--url", stack.base_url, "generate", "hi",
+                          "--steer", "no-such-concept-xyz"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 1 and "error 404" in bad.stderr, bad.stderr
