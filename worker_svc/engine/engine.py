@@ -119,6 +119,16 @@ class Request:
 
 
 @dataclass
+class _Launched:
+    """A step on its way: its rows, and its packed results (device copy pending until `done`)."""
+
+    rows: list
+    kmax: int
+    host: Tensor
+    done: object | None   # torch.cuda.Event, None on the CPU
+
+
+@dataclass
 class EngineStats:
     pages_total: int
     pages_used: int
@@ -135,7 +145,7 @@ class EngineStats:
 class Engine:
     def __init__(self, model: SteerlingModel, *, tokenizer_vocab_size: int | None = None, max_slots: int = 64,
                  n_pages: int | None = None, max_prefill_rows: int = 32, compile: bool = False,
-                 cuda_graphs: bool = False, kv_fraction: float = 0.85):
+                 cuda_graphs: bool = False, kv_fraction: float = 0.85, overlap: bool = True):
         self.model = model.eval()
         self.cfg = model.cfg
         p = next(model.parameters())
@@ -155,8 +165,14 @@ class Engine:
         self.steps = self.forwards = self.preemptions = 0
         self._lock = threading.Lock()
         self.compiles = 0
-        self._forward = self.runner.forward
-        self._sample = self.runner.sample
+        # Overlap: in steady decoding the next step is launched before this one's results are
+        # read (its tokens come from the device's block-token table), so the host's
+        # bookkeeping and the device-to-host copy hide behind the GPU's next step.
+        self.overlap = overlap
+        self._inflight: _Launched | None = None
+        self.overlapped_steps = 0
+        self.dropped_rows = 0      # rows of a launched step whose request ended before it was applied
+        self._pinned: dict[tuple[int, int], list[Tensor]] = {}
         if compile:
             self._compile()
         self._graphs = None
@@ -218,7 +234,7 @@ class Engine:
             return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight is not None)
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
@@ -329,17 +345,48 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
+        """Apply one step's results (launching it first unless it is already running)."""
+        if self._inflight is None:
+            with self._lock:
+                for req in [r for r in self.running if r.cancelled]:
+                    self._finish(req, "cancelled")
+                self._admit()
+                rows = self._plan_rows()
+            if not rows:
+                return
+            self._inflight = self._launch(rows, speculative=False)
+        current, nxt = self._inflight, None
+        if self.overlap:
+            with self._lock:
+                if self._steady(current.rows):
+                    nxt = self._launch(current.rows, speculative=True)
+                    self.overlapped_steps += 1
+        results = self._collect(current)
         with self._lock:
-            for req in [r for r in self.running if r.cancelled]:
-                self._finish(req, "cancelled")
-            self._admit()
-            rows = self._plan_rows()
-        if not rows:
-            return
-        results = self._execute(rows)
-        with self._lock:
-            self._apply(rows, results)
+            self._apply(current.rows, results)
             self.steps += 1
+            if nxt is None:   # nothing in flight: a cancel frees its pages now, not a step later
+                for req in [r for r in self.running if r.cancelled]:
+                    self._finish(req, "cancelled")
+        self._inflight = nxt
+
+    def _steady(self, rows: list[tuple[Request, int, bool]]) -> bool:
+        """Can the next step be launched before `rows`' results are applied? Only when it is
+        sure to be the same decode rows: no arrivals or cancels to handle, every running request
+        decoding, no confidence threshold (so a step commits exactly min(k, masks left)), and
+        every block keeps a mask after this step (no block closes). An <|eot_id|> can still end
+        a request early: its row in the next step then finds its block filled (samples nothing)
+        and its results are dropped."""
+        if self.waiting or len(rows) != len(self.running):
+            return False
+        for req, b, is_decode in rows:
+            if not is_decode or req.cancelled or req.done or req.options.confidence_threshold is not None:
+                return False
+            start, end = req.block_range(b)
+            left = req.seq[start:end].count(self.cfg.mask_id)
+            if left - min(req.options.tokens_per_step, left) < 1:
+                return False
+        return True
 
     def _plan_rows(self) -> list[tuple[Request, int, bool]]:
         """(request, block index, is_decode) rows for this step."""
@@ -357,7 +404,10 @@ class Engine:
             rows.append((req, req.active, True))
         return rows
 
-    def _execute(self, rows: list[tuple[Request, int, bool]]) -> tuple:
+    def _launch(self, rows: list[tuple[Request, int, bool]], speculative: bool) -> _Launched:
+        """Build the step's inputs, run it on the device and start the copy of its results.
+        speculative: the previous step's results are not applied yet; its decode rows continue
+        from the device's block-token table, one step and min(k, masks left) tokens further."""
         cfg = self.cfg
         n = len(rows)
         rb = bucket(n, ROW_BUCKETS)
@@ -386,9 +436,17 @@ class Engine:
         stepc = np.zeros(rb, dtype=i64)
         k = np.zeros(rb, dtype=i64)
         threshold = np.full(rb, -np.inf, dtype=np.float32)
+        from_table = np.zeros(rb, dtype=bool)
         for i, (req, b, is_decode) in enumerate(rows):
             start, end = req.block_range(b)
-            tokens[i, : end - start] = req.seq[start:end]
+            ahead = committed_ahead = 0
+            if speculative:
+                from_table[i] = True
+                ahead = 1
+                left = req.seq[start:end].count(cfg.mask_id)
+                committed_ahead = min(req.options.tokens_per_step, left)
+            else:
+                tokens[i, : end - start] = req.seq[start:end]
             positions[i] = _ARANGE_BLOCK + start
             write_page[i] = req.pages[b]
             pages[i, : b + 1] = req.pages[: b + 1]
@@ -396,7 +454,8 @@ class Engine:
             slot[i] = req.slot
             if req.steering is not None and is_decode:
                 st = req.steering
-                alpha[i] = resolve_alpha(st.schedule, st.base_alpha, req.committed, st.cutoff_tokens)
+                alpha[i] = resolve_alpha(st.schedule, st.base_alpha, req.committed + committed_ahead,
+                                         st.cutoff_tokens)
                 inject[i] = st.inject_layer
             if is_decode:
                 o, sp = req.options, req.options.sampling
@@ -407,7 +466,7 @@ class Engine:
                 temperature[i] = sp.temperature
                 top_p[i] = sp.top_p
                 seed[i] = o.seed
-                stepc[i] = req.step
+                stepc[i] = req.step + ahead
                 k[i] = o.tokens_per_step
                 if o.confidence_threshold is not None:
                     threshold[i] = o.confidence_threshold
@@ -416,20 +475,42 @@ class Engine:
         def put(a: np.ndarray) -> Tensor:
             return torch.from_numpy(a).to(dev, non_blocking=True)
 
-        fwd = ForwardInputs(*(put(a) for a in (tokens, positions, write_page, pages, n_visible, slot, alpha, inject)))
+        fwd = ForwardInputs(*(put(a) for a in (tokens, positions, write_page, pages, n_visible, slot, alpha, inject,
+                                                from_table)))
         smp = SamplerInputs(*(put(a) for a in (decode, slot, rep, greedy, entropy, temperature, top_p, seed, stepc,
                                                k, threshold)))
         packed = self._execute_device(rb, pb, kmax, fwd, smp)
         self.forwards += 1
         n_cols = packed.shape[1] if self.want_records else 4 * kmax
-        host = packed[:n, :n_cols].cpu()     # the step's one device-to-host copy
-        return unpack(host, kmax, self.k_known, self.k_disc, self.want_records)
+        out = packed[:n, :n_cols]
+        if out.device.type != "cuda":
+            return _Launched(rows, kmax, out, None)
+        # the step's one device-to-host copy, started now (before a later step can reuse the
+        # graph's output buffer) into pinned memory, waited for in _collect
+        host = self._pinned_buffer(n, n_cols)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Launched(rows, kmax, host, done)
+
+    def _collect(self, launched: _Launched) -> tuple:
+        if launched.done is not None:
+            launched.done.synchronize()
+        return unpack(launched.host, launched.kmax, self.k_known, self.k_disc, self.want_records)
+
+    def _pinned_buffer(self, n: int, n_cols: int) -> Tensor:
+        """Two pinned host buffers per shape, used in turn: one step's copy may still be read
+        while the next one's lands."""
+        bufs = self._pinned.setdefault((n, n_cols), [])
+        if len(bufs) < 2:
+            bufs.append(torch.empty((n, n_cols), dtype=torch.int32, pin_memory=True))
+        bufs.append(bufs.pop(0))
+        return bufs[-1]
 
     def _execute_device(self, rb: int, pb: int, kmax: int, fwd: ForwardInputs, smp: SamplerInputs) -> Tensor:
         if self._graphs is not None:
             return self._graphs.run(rb, pb, kmax, fwd, smp)
-        logits, kidx, klog, didx, dlog = self._forward(fwd)
-        return self._sample(kmax, fwd.tokens, fwd.positions, logits, kidx, klog, didx, dlog, smp)
+        return self.runner.step(kmax, fwd, smp)
 
     def _apply(self, rows, results) -> None:
         # numpy views of the host copy: per-row indexing there is ~10x cheaper than torch's
@@ -437,6 +518,9 @@ class Engine:
             None if t is None else t.numpy() for t in results)
         closed, advance = [], []
         for i, (req, b, is_decode) in enumerate(rows):
+            if req.done:   # ended by the previous step (<|eot_id|>) after this one was launched
+                self.dropped_rows += 1
+                continue
             if not is_decode:
                 req.kv_blocks = max(req.kv_blocks, b + 1)
                 if req.pending_commit and b == req.active:

@@ -24,7 +24,8 @@ class _Graph:
             tokens=torch.full((rb, BLOCK), cfg.pad_id, **long), positions=torch.zeros((rb, BLOCK), **long),
             write_page=torch.zeros(rb, **long), pages=torch.zeros((rb, pb), **long),
             n_visible=torch.full((rb,), BLOCK, **long), steer_slot=torch.zeros(rb, **long),
-            alpha=torch.zeros(rb, dtype=torch.float32, device=dev), inject_layer=torch.zeros(rb, **long))
+            alpha=torch.zeros(rb, dtype=torch.float32, device=dev), inject_layer=torch.zeros(rb, **long),
+            from_table=torch.zeros(rb, dtype=torch.bool, device=dev))
         f32 = dict(dtype=torch.float32, device=dev)
         b = dict(dtype=torch.bool, device=dev)
         self.smp = SamplerInputs(
@@ -34,8 +35,7 @@ class _Graph:
             k=torch.zeros(rb, **long), threshold=torch.full((rb,), float("-inf"), **f32))
 
         def run():
-            logits, kidx, klog, didx, dlog = engine._forward(self.fwd)
-            return engine._sample(kmax, self.fwd.tokens, self.fwd.positions, logits, kidx, klog, didx, dlog, self.smp)
+            return engine.runner.step(kmax, self.fwd, self.smp)
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))

@@ -15,6 +15,7 @@ CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,11 @@ class ForwardInputs:
     write_page: Tensor    # (R,) physical page of the row's own block
     pages: Tensor         # (R, P) physical pages of blocks 0..block (padded with scratch page 0)
     n_visible: Tensor     # (R,) long: number of valid keys = 64 * block + row_len
-    steer_slot: Tensor    # (R,) long: index into the steering table
+    steer_slot: Tensor    # (R,) long: the request's slot (steering table, block-token table)
     alpha: Tensor         # (R,) fp32 current steering strength (0 = off)
     inject_layer: Tensor  # (R,) long
+    from_table: Tensor    # (R,) bool: take the row's tokens from the slot's block-token table (the
+                          # previous step's samples are not on the host yet: overlapped steps)
 
 
 @dataclass
@@ -65,6 +68,10 @@ class DeviceTables:
         self.steer = torch.zeros(n_slots, n_embd, dtype=dtype, device=device)
         self.relu = torch.zeros(n_slots, vocab, dtype=torch.float32, device=device)
         self.seen = torch.zeros(n_slots, vocab, dtype=torch.bool, device=device)
+        # each request's active block as the device last left it (its decode row's tokens after
+        # the step's samples and an <|eot_id|> fill): the input of a step launched before the
+        # previous one's results reached the host
+        self.block_tokens = torch.zeros(n_slots, BLOCK, dtype=torch.long, device=device)
 
 
 class StepRunner:
@@ -77,6 +84,11 @@ class StepRunner:
         self.banned_mask = torch.zeros(vocab, dtype=torch.bool, device=banned.device)
         self.banned_mask[banned] = True
         self.banned_mask[self.cfg.eos_id] = True
+
+    def resolve_tokens(self, inp: ForwardInputs) -> Tensor:
+        """The rows' tokens: the host's, or the block-token table's for `from_table` rows."""
+        table = self.tables.block_tokens.index_select(0, inp.steer_slot)
+        return torch.where(inp.from_table[:, None], table, inp.tokens)
 
     # ---- forward ----------------------------------------------------------------------
     def forward(self, inp: ForwardInputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -104,8 +116,17 @@ class StepRunner:
         return heads.logits, heads.known_idx, heads.known_logits, heads.disc_idx, heads.disc_logits
 
     # ---- sampler ----------------------------------------------------------------------
+    def step(self, kmax: int, fwd: ForwardInputs, smp: SamplerInputs) -> Tensor:
+        """The whole device step: resolve the rows' tokens, forward, sample (packed results)."""
+        tokens = self.resolve_tokens(fwd)
+        fwd = dataclasses.replace(fwd, tokens=tokens)
+        logits, kidx, klog, didx, dlog = self.forward(fwd)
+        row_len = fwd.n_visible - fwd.positions[:, 0]
+        return self.sample(kmax, tokens, fwd.positions, logits, kidx, klog, didx, dlog, smp, row_len)
+
     def sample(self, kmax: int, tokens: Tensor, positions: Tensor, logits: Tensor, known_idx: Tensor,
-               known_logits: Tensor, disc_idx: Tensor, disc_logits: Tensor, s: SamplerInputs) -> Tensor:
+               known_logits: Tensor, disc_idx: Tensor, disc_logits: Tensor, s: SamplerInputs,
+               row_len: Tensor | None = None) -> Tensor:
         """Pick and draw up to kmax positions per decode row; returns the packed host-bound results.
 
         Same arithmetic as the reference decoder, row by row: relu mask, repetition penalty,
@@ -152,6 +173,8 @@ class StepRunner:
         slot_w = torch.where(valid, s.slot[:, None].expand(r, kmax), torch.zeros_like(tok_sel))
         self.tables.seen.index_put_((slot_w.reshape(-1), tok_sel.reshape(-1)),
                                     torch.ones(r * kmax, dtype=torch.bool, device=tokens.device))
+        if row_len is not None:
+            self._store_block_tokens(tokens, idx, tok_sel, valid, s, row_len)
 
         flat = (rows * BLOCK + idx).reshape(-1)
         target = logits.view(r * BLOCK, v)[flat, tok_sel.reshape(-1)].float().view(r, kmax)
@@ -161,6 +184,22 @@ class StepRunner:
         return torch.cat([as_int(pos_sel), as_int(tok_sel), as_int(valid), as_bits(target),
                           as_int(known_idx[flat]), as_bits(known_logits[flat]),
                           as_int(disc_idx[flat]), as_bits(disc_logits[flat])], dim=1)
+
+
+    def _store_block_tokens(self, tokens: Tensor, idx: Tensor, tok_sel: Tensor, valid: Tensor, s: SamplerInputs,
+                            row_len: Tensor) -> None:
+        """Decode rows' blocks after this step, as the host will have them (engine._apply): the
+        samples put in and, after a committed <|eot_id|>, every later position of the row set
+        to EOS. Other rows write the scratch slot 0."""
+        cfg = self.cfg
+        new = tokens.scatter(1, idx, torch.where(valid, tok_sel, tokens.gather(1, idx)))
+        if cfg.eot_id is not None:
+            j = torch.arange(BLOCK, device=tokens.device)[None, :]
+            eot_at = torch.where(valid & (tok_sel == cfg.eot_id), idx, torch.full_like(idx, BLOCK)).amin(1)
+            fill = (j > eot_at[:, None]) & (j < row_len[:, None])
+            new = torch.where(fill, torch.full_like(new, cfg.eos_id), new)
+        slots = torch.where(s.decode, s.slot, torch.zeros_like(s.slot))
+        self.tables.block_tokens.index_copy_(0, slots, new)
 
 
 def unpack(packed: Tensor, kmax: int, k_known: int, k_disc: int, with_records: bool) -> tuple[Tensor, ...]:
