@@ -88,7 +88,7 @@ Event = StepEvent | BlockEvent | FinishEvent
 
 # ---- host-side request state ------------------------------------------------------------------
 
-@dataclass
+@dataclass(eq=False)   # identity: `in` on the running list must not compare fields
 class Request:
     request_id: str
     prompt: list[int]

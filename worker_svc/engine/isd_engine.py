@@ -133,7 +133,7 @@ class IsdFinishEvent(FinishEvent):
 
 # ---- host-side request state ----------------------------------------------------------------
 
-@dataclass
+@dataclass(eq=False)   # identity: `in` on the running list must not compare fields
 class IsdRequest:
     request_id: str
     prompt: list[int]
@@ -176,7 +176,7 @@ class IsdRequest:
         return max(p, p + self.options.max_new_tokens + 2 * self.stride - 3)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Row:
     req: IsdRequest
     kind: str
