@@ -107,7 +107,7 @@ def run_once(engine: Engine, model, concurrency: int, prompt_len: int, new_token
         opts = DecodeOptions(new_tokens, SamplingParams(), seed=seed * 1000 + i)
         handles.append(engine.submit(f"bench-{seed}-{i}", prompt, opts, steering))
     timer.pairs.clear()
-    f0, s0, c0 = engine.forwards, engine.steps, engine.compiles
+    f0, s0, c0, o0 = engine.forwards, engine.steps, engine.compiles, engine.overlapped_steps
     peak_pages = 0
     t0 = time.perf_counter()
     first_block: dict[str, float] = {}
@@ -139,6 +139,7 @@ def run_once(engine: Engine, model, concurrency: int, prompt_len: int, new_token
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
         "peak_pages_used": peak_pages, "pages_total": engine.kv.pool.usable,
         "recompiles": engine.compiles - c0, "steps": engine.steps - s0,
+        "overlapped_steps": engine.overlapped_steps - o0,
     }
 
 
@@ -206,6 +207,8 @@ def main() -> None:
     ap.add_argument("--max-pages", type=int, default=4096)
     ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true", help="launch each step only after the previous one's "
+                    "results are applied (measures what overlapping saves)")
     ap.add_argument("--profile", default="", help="concurrencies to profile kernel by kernel (e.g. 1,32)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge-reference", default=None, metavar="LOG",
@@ -223,7 +226,7 @@ def main() -> None:
     result = {
         "commit": git_commit(), "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "preset": args.preset, "decoder": "block", "command": " ".join([sys.executable, "-m", "worker_svc.bench"] + sys.argv[1:]),
-        "torch": torch.__version__, "dtype": str(dtype), "tokens_per_step": 1,
+        "torch": torch.__version__, "dtype": str(dtype), "tokens_per_step": 1, "overlap": not args.no_overlap,
         "floor": None, "reference": None, "runs": [],
     }
     out = Path(args.out) if args.out else None
@@ -250,7 +253,7 @@ def main() -> None:
 
     def make_engine(compile_: bool) -> Engine:
         eng = Engine(model, tokenizer_vocab_size=None, max_slots=max(concs + [64]), n_pages=args.max_pages,
-                     compile=compile_, cuda_graphs=cuda)
+                     compile=compile_, cuda_graphs=cuda, overlap=not args.no_overlap)
         eng._execute_device = timer.wrap(eng._execute_device)
         return eng
 
