@@ -357,10 +357,11 @@ class Engine:
             self._inflight = self._launch(rows, speculative=False)
         current, nxt = self._inflight, None
         if self.overlap:
-            with self._lock:
-                if self._steady(current.rows):
-                    nxt = self._launch(current.rows, speculative=True)
-                    self.overlapped_steps += 1
+            with self._lock:   # submit/cancel (other threads) touch waiting/cancelled; launch unlocked
+                steady = self._steady(current.rows)
+            if steady:
+                nxt = self._launch(current.rows, speculative=True)
+                self.overlapped_steps += 1
         results = self._collect(current)
         with self._lock:
             self._apply(current.rows, results)
