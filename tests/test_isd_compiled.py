@@ -87,3 +87,15 @@ def test_fused_projections_equal_the_separate_ones(with_lora):
         fused.model.layers[0].self_attn.k_proj.weight.mul_(2.0)
         plain.model.layers[0].self_attn.k_proj.weight.mul_(2.0)
         torch.testing.assert_close(fused(tokens, lora_gate=gate), plain(tokens, lora_gate=gate), rtol=1e-5, atol=1e-5)
+
+
+def test_moving_a_fused_model_goes_back_to_the_separate_projections():
+    plain = Qwen3Model(preset("tiny")).init_random(3).eval()
+    fused = Qwen3Model(preset("tiny")).eval()
+    fused.load_state_dict(plain.state_dict())
+    fused.fuse_projections()
+    fused = fused.to(torch.float64)   # the fused tensors stay behind: they must not be used any more
+    assert fused.model.layers[0].self_attn.qkv is None and fused.model.layers[0].mlp.gate_up is None
+    tokens = torch.randint(0, 500, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(tokens), plain.double()(tokens))

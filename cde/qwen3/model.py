@@ -213,6 +213,10 @@ class Qwen3Model(nn.Module):
         # on whatever device the buffer went to.
         super()._apply(fn, recurse)
         self.rebuild_rope(self.rope_inv_freq.device)
+        # fused projections (fuse_projections) are plain tensors the move did not touch, and the
+        # separate weights were converted one by one: back to the separate projections
+        for layer in self.model.layers:
+            layer.self_attn.qkv = layer.mlp.gate_up = None
         return self
 
     def lora_modules(self) -> dict[str, Linear]:
