@@ -236,9 +236,19 @@ class Qwen3Model(nn.Module):
         x = self.model.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
         gate = None if lora_gate is None else (lora_gate != 0)[..., None]
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v), gate)
-        return self.model.norm(x)
+        # DecoderLayer.forward's arithmetic, with each residual add fused with the RMSNorm that
+        # reads its result (the next sublayer's, the next layer's input norm, finally model.norm)
+        layers = self.model.layers
+        first = layers[0].input_layernorm
+        h = layers[0].kernels.rms_norm(x, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            kn, ln2 = layer.kernels, layer.post_attention_layernorm
+            a = layer.self_attn(h, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v), gate)
+            x, h = kn.add_rms_norm(x, a, ln2.weight, ln2.eps)
+            m = layer.mlp(h, gate)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = kn.add_rms_norm(x, m, nxt.weight, nxt.eps)
+        return h
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
