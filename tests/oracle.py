@@ -45,3 +45,20 @@ def build_oracle(cfg: SteerlingConfig, seed: int):
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     return model
+
+
+def assert_same_topk(idx_a, lg_a, idx_b, lg_b, atol=1e-5):
+    """Same concepts with the same logits (<= atol). The two paths round differently in the
+    last bit, so concepts whose logits tie within atol may swap order, or swap in and out at
+    the k-th place; anything else is a real difference."""
+    assert idx_a.shape == idx_b.shape
+    for ia, la, ib, lb in zip(idx_a.tolist(), lg_a.tolist(), idx_b.tolist(), lg_b.tolist()):
+        ma, mb = dict(zip(ia, la)), dict(zip(ib, lb))
+        for c in ma.keys() & mb.keys():
+            assert abs(ma[c] - mb[c]) <= atol, (c, ma[c], mb[c])
+        boundary = min(min(la), min(lb))
+        for c in ma.keys() ^ mb.keys():
+            assert abs(ma.get(c, mb.get(c)) - boundary) <= atol, (c, boundary)
+        # order: descending logits up to ties within atol
+        for seq in (la, lb):
+            assert all(x >= y - atol for x, y in zip(seq, seq[1:]))

@@ -24,6 +24,7 @@ from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import SteeringSpec, prepare
+from tests.oracle import assert_same_topk
 from worker_svc.engine.engine import BlockEvent, Engine, FinishEvent, StepEvent
 
 pytestmark = pytest.mark.parity
@@ -66,23 +67,6 @@ def check_against_reference(model, engine, submitted):
             assert torch.allclose(a.target_logits, b.target_logits, atol=1e-5)
             assert_same_topk(a.known_idx, a.known_logits, b.known_idx, b.known_logits)
             assert_same_topk(a.disc_idx, a.disc_logits, b.disc_idx, b.disc_logits)
-
-
-def assert_same_topk(idx_a, lg_a, idx_b, lg_b, atol=1e-5):
-    """Same concepts with the same logits (<= atol). The two paths round differently in the
-    last bit, so concepts whose logits tie within atol may swap order, or swap in and out at
-    the k-th place; anything else is a real difference."""
-    assert idx_a.shape == idx_b.shape
-    for ia, la, ib, lb in zip(idx_a.tolist(), lg_a.tolist(), idx_b.tolist(), lg_b.tolist()):
-        ma, mb = dict(zip(ia, la)), dict(zip(ib, lb))
-        for c in ma.keys() & mb.keys():
-            assert abs(ma[c] - mb[c]) <= atol, (c, ma[c], mb[c])
-        boundary = min(min(la), min(lb))
-        for c in ma.keys() ^ mb.keys():
-            assert abs(ma.get(c, mb.get(c)) - boundary) <= atol, (c, boundary)
-        # order: descending logits up to ties within atol
-        for seq in (la, lb):
-            assert all(x >= y - atol for x, y in zip(seq, seq[1:]))
 
 
 @pytest.mark.parametrize("overlap", [True, False])

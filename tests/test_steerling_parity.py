@@ -22,7 +22,7 @@ from cde.steerling.model import KnownIntervention, SteeringInputs, SteerlingMode
 from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.sampling import SamplingParams, banned_ids, sampling_distribution
 from cde.steerling.tokenizer import ByteTokenizer
-from tests.oracle import build_oracle, oracle_configs
+from tests.oracle import assert_same_topk, build_oracle, oracle_configs
 
 pytestmark = pytest.mark.parity
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,10 +88,12 @@ def test_forward_logits_and_concepts_match(name):
             out = ours(tokens)
         n = tokens.numel()
         assert rel_err(out.logits, ref_logits.reshape(n, -1)) <= 1e-5, f"seed {seed}"
-        assert torch.equal(out.known_idx, ref.known_topk_indices.reshape(n, -1)), f"seed {seed}"
-        assert torch.equal(out.disc_idx, ref.unknown_topk_indices.reshape(n, -1)), f"seed {seed}"
-        assert (out.known_logits - ref.known_topk_logits.reshape(n, -1)).abs().max() <= 1e-5
-        assert (out.disc_logits - ref.unknown_topk_logits.reshape(n, -1)).abs().max() <= 1e-5
+        # same concepts with the same logits; fp32 rounds differently in the last bit, so
+        # concepts whose logits tie within 1e-5 may swap (seen once in ~50 runs)
+        assert_same_topk(out.known_idx, out.known_logits, ref.known_topk_indices.reshape(n, -1),
+                         ref.known_topk_logits.reshape(n, -1))
+        assert_same_topk(out.disc_idx, out.disc_logits, ref.unknown_topk_indices.reshape(n, -1),
+                         ref.unknown_topk_logits.reshape(n, -1))
 
 
 @pytest.mark.parametrize("name", ["tiny-gqa", "mqa-padded"])
