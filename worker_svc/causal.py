@@ -59,6 +59,8 @@ def causal_preset_name(cfg: Qwen3Config) -> str:
 
 
 def signed_seed(seed: int) -> int:
+    """uint64 -> the int64 with the same bits: counter_uniform hashes the low and high 32-bit
+    halves, which two's complement keeps, and torch has no uint64 tensors."""
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 

@@ -46,7 +46,7 @@ from cde.steerling.reference_decoder import DecodeOptions, clean_output, termina
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import PreparedSteering
 from cde.steerling.tokenizer import load_tokenizer
-from worker_svc.causal import causal_status, causal_submit
+from worker_svc.causal import causal_status, causal_submit, signed_seed
 from worker_svc.engine.async_engine import AsyncEngine
 from worker_svc.engine.engine import (
     K_BUCKETS,
@@ -109,12 +109,6 @@ def _sampling(sp: common_pb2.SamplingOptions) -> SamplingParams:
     if params.repetition_penalty == 0:
         raise BadRequest("sampling.repetition_penalty must be > 0")
     return params
-
-
-def signed_seed(seed: int) -> int:
-    """uint64 -> the int64 with the same bits: counter_uniform hashes the low and high 32-bit
-    halves, which two's complement keeps, and torch has no uint64 tensors."""
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def decode_options(d: common_pb2.DecodeOptions, sp: common_pb2.SamplingOptions, cfg: SteerlingConfig,
