@@ -39,6 +39,10 @@ class BlockDetokenizer:
         self.stopped = False
         self.n_tokens = 0
 
+    def add_stops(self, stop_ids: Iterable[int]) -> None:
+        """More stop ids (a Resume learns the request's own from its Accepted event)."""
+        self._stop = self._stop | frozenset(int(i) for i in stop_ids)
+
     def feed(self, raw_tokens: Sequence[int]) -> DetokResult:
         out: list[int] = []
         if not self.stopped:

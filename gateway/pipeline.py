@@ -413,6 +413,7 @@ class GenerationStream:
             acc.CopyFrom(ev.accepted)
             acc.seed = acc.seed or self.seed
             acc.prompt_tokens = acc.prompt_tokens or self.prompt_tokens
+            self.detok.add_stops(acc.stop_ids)   # a Resume's detokenizer starts without them
             self.seed, self.prompt_tokens = acc.seed, acc.prompt_tokens
             return generate_pb2.GenerateResponse(accepted=acc)
         if kind == "step":

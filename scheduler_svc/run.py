@@ -80,7 +80,8 @@ def stored_after(request: scheduler_pb2.SubmitRequest, after_block: int) -> int:
 
 def accepted(request: scheduler_pb2.SubmitRequest) -> scheduler_pb2.SchedulerEvent:
     return scheduler_pb2.SchedulerEvent(accepted=common_pb2.Accepted(
-        request_id=request.request_id, prompt_tokens=len(request.prompt_tokens), seed=request.decode.seed))
+        request_id=request.request_id, prompt_tokens=len(request.prompt_tokens), seed=request.decode.seed,
+        stop_ids=request.decode.stop_ids))
 
 
 def stored_finished(st: RequestState, saved: bytes | None) -> common_pb2.Finished:

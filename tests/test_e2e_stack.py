@@ -234,3 +234,32 @@ def test_cli_client_streams_text_and_chunk_concepts(stack):
     bad = subprocess.run([sys.executable, "-m", "cde.client", "--url", stack.base_url, "generate", "hi",
                           "--steer", "no-such-concept-xyz"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 1 and "error 404" in bad.stderr, bad.stderr
+
+
+def test_resume_keeps_the_request_stop_ids(stack):
+    """A client that reattaches with Resume gets the text cut where its first stream cut it:
+    the request's own stop ids come back in the Accepted event (they are not in ResumeRequest)."""
+    port = stack.ports["gateway_grpc"]
+
+    def request(stop_ids=()):
+        return generate_pb2.GenerateRequest(
+            model="steerling-tiny", prompt="Once upon a time",
+            decode=common_pb2.DecodeOptions(max_new_tokens=120, seed=5, stop_ids=list(stop_ids)))
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            free = [ev async for ev in stub.Generate(request(), timeout=120)]
+            tokens = [t for ev in free if ev.HasField("block") for t in ev.block.tokens]
+            stop = tokens[len(tokens) // 2]          # a token in the middle of the output
+            first = [ev async for ev in stub.Generate(request([stop]), timeout=120)]
+            rid = first[0].accepted.request_id
+            again = [ev async for ev in stub.Resume(common_pb2.ResumeRequest(request_id=rid), timeout=120)]
+            return tokens, stop, first, again
+
+    tokens, stop, first, again = asyncio.run(run())
+    text = lambda evs: "".join(e.block.text for e in evs if e.HasField("block"))   # noqa: E731
+    cut = [t for e in first if e.HasField("block") for t in e.block.tokens]
+    assert stop not in cut and len(cut) < len(tokens), "the stop id did not cut the first stream"
+    assert list(again[0].accepted.stop_ids) == [stop]
+    assert text(again) == text(first) and [t for e in again if e.HasField("block") for t in e.block.tokens] == cut

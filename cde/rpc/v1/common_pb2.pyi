@@ -217,14 +217,16 @@ class ChunkAttribution(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., residual_pct: _Optional[float] = ..., top: _Optional[_Iterable[_Union[ConceptScore, _Mapping]]] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "seed")
+    __slots__ = ("request_id", "prompt_tokens", "seed", "stop_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    stop_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepEvent(_message.Message):
     __slots__ = ("step", "block_index", "positions", "tokens")
