@@ -4,14 +4,13 @@ Validation and translation are the pipeline's, so a REST request and the same gR
 produce the same SubmitRequest and the same BlockEvents. Failures abort with the GatewayError's
 gRPC code (the scheduler's retry hint travels on as `retry-after-ms` trailing metadata), and the
 client's deadline is passed on to the scheduler. A request message that does not parse is
-INVALID_ARGUMENT (`MalformedRequestInterceptor`), not grpcio's default UNKNOWN.
+INVALID_ARGUMENT (`cde.rpc.malformed.MalformedRequestInterceptor`, on every cde server), not
+grpcio's default UNKNOWN.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -19,60 +18,6 @@ from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from gateway.auth import ApiKeyAuth
 from gateway.errors import GatewayError
 from gateway.pipeline import GenerationStream, Pipeline
-
-
-class _Malformed:
-    """Stands in for a request message that failed to parse."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def wrapper(raw: bytes) -> Any:
-        try:
-            return parse(raw)
-        except Exception as e:  # noqa: BLE001 - DecodeError and whatever else a parser raises
-            return _Malformed(e)
-    return wrapper
-
-
-async def _abort_malformed(request: _Malformed, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"malformed request message: {type(request.error).__name__}: {request.error}")
-
-
-class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
-    """Unary-request methods of `prefix` answer INVALID_ARGUMENT to bytes that are not a valid
-    request message; grpcio would answer UNKNOWN ("Unexpected DecodeError") for them."""
-
-    def __init__(self, prefix: str = "/cde.v1.Generation/") -> None:
-        self.prefix = prefix
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if (handler is None or not handler_call_details.method.startswith(self.prefix)
-                or handler.request_streaming or handler.request_deserializer is None):
-            return handler
-        parse = _lenient(handler.request_deserializer)
-        if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
-
-            async def unary_unary(request, context):
-                if isinstance(request, _Malformed):
-                    await _abort_malformed(request, context)
-                return await inner_uu(request, context)
-            return grpc.unary_unary_rpc_method_handler(unary_unary, parse, handler.response_serializer)
-        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            inner_us = handler.unary_stream
-
-            async def unary_stream(request, context):
-                if isinstance(request, _Malformed):
-                    await _abort_malformed(request, context)
-                async for ev in inner_us(request, context):
-                    yield ev
-            return grpc.unary_stream_rpc_method_handler(unary_stream, parse, handler.response_serializer)
-        return handler
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):

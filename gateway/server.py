@@ -25,7 +25,7 @@ from cde.rpc.v1 import generate_pb2, generate_pb2_grpc
 from gateway.app import build_app
 from gateway.auth import ApiKeyAuth, load_api_keys
 from gateway.backends import Backends
-from gateway.grpc_api import GenerationService, MalformedRequestInterceptor
+from gateway.grpc_api import GenerationService
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Limits, ModelCard, Pipeline
 
@@ -151,8 +151,7 @@ async def serve(settings: GatewaySettings | Any) -> GatewayHandle:
     grpc_server, grpc_port, monitor = None, None, None
     if s.grpc_port >= 0:
         name = service_name(generate_pb2, "Generation")
-        grpc_server, health = await make_server([name], max_message_bytes=max(s.max_body_bytes, 4 << 20),
-                                                interceptors=[MalformedRequestInterceptor()])
+        grpc_server, health = await make_server([name], max_message_bytes=max(s.max_body_bytes, 4 << 20))
         generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(pipeline, auth), grpc_server)
         grpc_port = grpc_server.add_insecure_port(f"{s.host}:{s.grpc_port}")
         if grpc_port == 0:

@@ -582,3 +582,30 @@ def test_float_payloads_are_little_endian_float32():
         bytes_to_floats(data, expected_len=4)
     with pytest.raises(ValueError):
         floats_to_bytes(torch.zeros(2, 2))
+
+
+# ---- malformed request bytes ------------------------------------------------------------
+
+def test_malformed_request_bytes_are_invalid_argument_on_every_service():
+    """Every cde.v1 method with a unary request answers INVALID_ARGUMENT (not grpcio's UNKNOWN)
+    to bytes that are not its request message: make_server installs the interceptor on the
+    public and the internal servers alike."""
+    bad = [b"\x0a\x05ab", b"\xff\xff\xff\xff\xff", b"\x08\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80"]
+    methods = [(f"/{svc.full_name}/{m.name}", m.server_streaming)
+               for mod, name, _, _ in SERVICES for svc in [mod.DESCRIPTOR.services_by_name[name]]
+               for m in svc.methods if not m.client_streaming]
+    assert len(methods) >= 8
+
+    async def main():
+        async with serving() as (_port, ch, _health):
+            for path, streaming in methods:
+                for payload in bad:
+                    call = (ch.unary_stream if streaming else ch.unary_unary)(path)
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        if streaming:
+                            _ = [e async for e in call(payload, timeout=10)]
+                        else:
+                            await call(payload, timeout=10)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, payload, err.value.code())
+
+    asyncio.run(main())

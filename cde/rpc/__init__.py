@@ -88,7 +88,10 @@ async def make_server(service_names: Sequence[str], *, max_message_bytes: int = 
         raise ImportError(f"{e}: install grpcio-health-checking=={grpc.__version__} and "
                           f"grpcio-reflection=={grpc.__version__} (pure Python, match the grpcio)") from e
 
-    server = grpc.aio.server(interceptors=list(interceptors) or None,
+    from cde.rpc.malformed import MalformedRequestInterceptor
+
+    interceptors = [MalformedRequestInterceptor(), *interceptors]
+    server = grpc.aio.server(interceptors=interceptors,
                              options=server_options(max_message_bytes) + list(options))
     health_servicer = _health_servicer_class()(service_names)
     await health_servicer.set_serving(False)
