@@ -260,7 +260,7 @@ class RequestRun:
         store = self.core.store
         await self._acquire_slot()
         opts = self.core.opts
-        pages = -(-(len(self.request.prompt_tokens) + self.request.decode.max_new_tokens) // BLOCK)
+        pages = self.pages = -(-(len(self.request.prompt_tokens) + self.request.decode.max_new_tokens) // BLOCK)
         failures = 0
         while True:
             st = await store.get(self.rid)
@@ -288,14 +288,16 @@ class RequestRun:
             # Reserve the pages before the next await: the other runs of a burst pick meanwhile and
             # must see them, or they all land on the same worker.
             worker.placed_pages += pages
+            worker.runs.add(self)   # counted in its free pages from now on (workers.py)
             if not await store.claim(self.rid, worker.worker_id):
                 worker.placed_pages = max(0, worker.placed_pages - pages)
+                worker.runs.discard(self)
                 continue   # cancelled meanwhile (seen above next round) or claimed by another instance
             st = await store.get(self.rid)
             if st is None or st.status != RUNNING or st.worker != worker.worker_id:
                 worker.placed_pages = max(0, worker.placed_pages - pages)
+                worker.runs.discard(self)
                 continue
-            worker.runs.add(self)
             self.worker = self._last_worker = worker
             try:
                 outcome = await self._stream(worker, st)

@@ -10,7 +10,9 @@ every request recorded on it back to the queue.
 
 Placement: among live workers serving the request's model, the one with the most free KV
 pages, where "free" is the last heartbeat's figure minus the pages of the requests placed
-on it since that heartbeat (so a burst does not all land on the same worker).
+on it since that heartbeat (so a burst does not all land on the same worker), capped by the
+total minus the pages of the requests streaming from it (a heartbeat may predate the
+engine's allocation for them).
 """
 
 from __future__ import annotations
@@ -48,7 +50,13 @@ class WorkerHandle:
 
     @property
     def free_pages(self) -> int:
-        return int(self.info.kv_pages_free) - self.placed_pages
+        """The heartbeat's free pages minus what was placed since, and never more than the
+        total minus the pages of the requests this scheduler streams from it: a heartbeat can
+        arrive before the engine has allocated for requests just placed (its figure then
+        still counts their pages as free)."""
+        reported = int(self.info.kv_pages_free) - self.placed_pages
+        streaming = int(self.info.kv_pages_total) - sum(getattr(r, "pages", 0) for r in self.runs)
+        return min(reported, streaming)
 
 
 class WorkerPool:

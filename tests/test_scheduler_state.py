@@ -443,3 +443,36 @@ def test_embedded_redis_lifecycle_and_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("REDIS_SERVER_BIN", str(tmp_path / "missing"))
     with pytest.raises(RedisServerError, match="REDIS_SERVER_BIN"):
         redis_server_binary()
+
+
+class _Run:
+    """A RequestRun as the pool sees it (hashable by identity, with its pages)."""
+
+    def __init__(self, pages: int):
+        self.pages = pages
+
+
+def test_placement_counts_streaming_requests_even_after_a_heartbeat_reset():
+    """A heartbeat can report pages as free that requests placed just before it will take
+    (the engine allocates on admission): free pages are capped by total - pages of the requests
+    streaming from the worker, so a burst still spreads."""
+    from cde.rpc.v1 import scheduler_pb2
+    from scheduler_svc.workers import WorkerHandle, WorkerPool
+
+    pool = WorkerPool(store=None, heartbeat_ms=1000)
+    for wid, free in (("a", 100), ("b", 90)):
+        info = scheduler_pb2.WorkerInfo(worker_id=wid, address=f"{wid}:1", model="m", kv_pages_total=100,
+                                        kv_pages_free=free)
+        pool.workers[wid] = WorkerHandle(wid, info, channel=None, stub=None)
+    a, b = pool.workers["a"], pool.workers["b"]
+
+    def place() -> str:
+        h = pool.pick("m", set())
+        h.placed_pages += 30
+        h.runs.add(_Run(pages=30))
+        return h.worker_id
+
+    assert [place() for _ in range(3)] == ["a", "b", "a"]
+    a.placed_pages = b.placed_pages = 0   # heartbeats sent before either engine allocated
+    # reported: a 100 free, b 90; streaming: a 2 x 30, b 1 x 30 -> b has more room
+    assert [place() for _ in range(3)] == ["b", "b", "a"]
