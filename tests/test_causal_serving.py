@@ -157,7 +157,7 @@ def test_causal_stack_greedy_isd_equals_reference_ar_at_every_stride(tmp_path, r
                               "--stride", "4", "--temperature", "0", "--max-tokens", "24"],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert cli.returncode == 0 and "tokens per forward" in cli.stdout, (cli.stdout, cli.stderr)
-    report(f"causal stack: greedy text identical to reference AR at strides 1/2/4/8; tokens/forward, acceptance "
+    report("causal stack: greedy tokens identical to reference AR at strides 1/2/4/8; tokens/forward, acceptance "
            + ", ".join(f"N={n}: {tpf:.2f}, {acc:.2f}" for n, (tpf, acc) in figures.items()))
 
 
