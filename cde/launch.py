@@ -107,11 +107,14 @@ class Stack:
                                        "--redis-url", redis_url, *attribution, *getattr(a, "scheduler_args", ())],
                     grpc_port=p["scheduler"]),
         ]
+        # CPU workers on one machine split its cores: each with torch's default (all cores) they
+        # oversubscribe them and every step slows down badly
+        threads = ["--threads", str(max(1, (os.cpu_count() or 1) // max(1, a.workers)))] if a.device == "cpu" else []
         for i, wp in enumerate(worker_ports):
             self.services.append(Service(f"worker{i}", py + [
                 "worker_svc", "--model-dir", model, "--host", "127.0.0.1", "--port", str(wp),
-                "--scheduler", f"127.0.0.1:{p['scheduler']}", "--worker-id", f"w{i}", "--device", a.device],
-                grpc_port=wp))
+                "--scheduler", f"127.0.0.1:{p['scheduler']}", "--worker-id", f"w{i}", "--device", a.device,
+                *threads], grpc_port=wp))
         self.services.append(Service("gateway", py + [
             "gateway", "--model-dir", model, "--host", a.host, "--http-port", str(p["gateway_http"]),
             "--grpc-port", str(p["gateway_grpc"]), "--scheduler", f"127.0.0.1:{p['scheduler']}",

@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-slots", type=int, default=int(env("CDE_MAX_SLOTS", 64)))
     ap.add_argument("--max-stride", type=int, default=int(env("CDE_MAX_STRIDE", 8)),
                     help="causal models: the largest decode.isd_stride served")
+    ap.add_argument("--threads", type=int, default=int(env("CDE_TORCH_THREADS", 0)),
+                    help="CPU: torch intra-op threads (0 = torch's default, one per core; several workers "
+                         "on one machine should split the cores or they slow each other down badly)")
     ap.add_argument("--grace", type=float, default=5.0, help="seconds to drain calls on SIGTERM/SIGINT")
     args = ap.parse_args(argv)
     if not args.model_dir:

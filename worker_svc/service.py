@@ -387,6 +387,7 @@ class WorkerOptions:
     kv_pages: int | None = None
     max_slots: int = 64
     max_stride: int = 8                 # causal models: the largest decode.isd_stride served
+    threads: int = 0                    # CPU: torch intra-op threads (0 = torch's default)
     warmup: bool = True
 
 
@@ -425,6 +426,8 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[opts.dtype]
     model_dir = Path(opts.model_dir)
     model_name = opts.model_name or model_dir.resolve().name
+    if opts.device == "cpu" and opts.threads > 0:
+        torch.set_num_threads(opts.threads)
     if model_family(model_dir) == CAUSAL:   # a Qwen3 / I-DLM model: AR and ISD (decode.isd_stride)
         from cde.qwen3.chat import load_chat_tokenizer
         from cde.qwen3.loading import load_qwen3
@@ -471,7 +474,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
                          worker_id=args.worker_id, advertise=args.advertise or None, model_name=args.model_name or None,
                          device=args.device, dtype=args.dtype, compile=args.compile, cuda_graphs=args.cuda_graphs,
                          kv_pages=args.kv_pages, max_slots=args.max_slots,
-                         max_stride=getattr(args, "max_stride", 8))
+                         max_stride=getattr(args, "max_stride", 8), threads=getattr(args, "threads", 0))
 
 
 async def serve(args: argparse.Namespace) -> None:
