@@ -436,8 +436,10 @@ class RequestRun:
             self._publish_block(common_pb2.BlockCommitted.FromString(payload))
 
     async def _end_from_store(self, st: RequestState | None) -> None:
-        if st is None:
-            self._end(End(code=grpc.StatusCode.NOT_FOUND, message=f"request {self.rid!r} expired"))
+        if st is None:   # a run exists only for a request it created: its state was lost, not the client's fault
+            self._end(End(code=grpc.StatusCode.UNAVAILABLE,
+                          message=f"request {self.rid!r} lost its state in Redis (restarted without persistence "
+                                  "or flushed); send it again"))
             return
         await self._flush_stored()
         saved = await self.core.store.redis.get(self.core.end_key(self.rid))
