@@ -13,11 +13,12 @@ bit-identical to the code it replaced and the transformers parity tests still ho
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from cde import regional
+from cde.regional import Kernels
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -54,22 +55,10 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-class Kernels:
-    """The functions a layer calls; eager by default, or compiled ones from `compiled`."""
-
-    NAMES = ("rms_norm", "qk_norm_rope", "add_rms_norm", "silu_mul")
-
-    def __init__(self, wrap: Callable[[Callable], Callable] | None = None):
-        for name in self.NAMES:
-            fn = globals()[name]
-            setattr(self, name, wrap(fn) if wrap is not None else fn)
-
-
-EAGER = Kernels()
+_FUNCTIONS = {"rms_norm": rms_norm, "qk_norm_rope": qk_norm_rope, "add_rms_norm": add_rms_norm, "silu_mul": silu_mul}
+EAGER = Kernels(_FUNCTIONS)
 
 
 def compiled(backend="inductor") -> Kernels:
-    """Kernels compiled with dynamic shapes (one graph each, whatever the rows or queries)."""
-    import torch.fx.experimental._config as fx_config
-    fx_config.use_duck_shape = False   # equal sizes (e.g. queries == kv heads) must not share a symbol
-    return Kernels(lambda fn: torch.compile(fn, backend=backend, dynamic=True))
+    """The functions compiled with dynamic shapes (cde/regional.py)."""
+    return regional.compiled(_FUNCTIONS, backend)

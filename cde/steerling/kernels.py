@@ -14,11 +14,12 @@ eager `Kernels()` are bit-identical to the layer code they replaced.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from cde import regional
+from cde.regional import Kernels
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -68,22 +69,10 @@ def swiglu(h: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-class Kernels:
-    """The functions a layer calls; eager by default, or compiled ones from `compiled`."""
-
-    NAMES = ("qkv_prep", "add_norm", "add_norm_steer", "swiglu")
-
-    def __init__(self, wrap: Callable[[Callable], Callable] | None = None):
-        for name in self.NAMES:
-            fn = globals()[name]
-            setattr(self, name, wrap(fn) if wrap is not None else fn)
-
-
-EAGER = Kernels()
+_FUNCTIONS = {"qkv_prep": qkv_prep, "add_norm": add_norm, "add_norm_steer": add_norm_steer, "swiglu": swiglu}
+EAGER = Kernels(_FUNCTIONS)
 
 
 def compiled(backend="inductor") -> Kernels:
-    """Kernels compiled with dynamic shapes (one graph each, whatever the rows or pages)."""
-    import torch.fx.experimental._config as fx_config
-    fx_config.use_duck_shape = False   # equal sizes (pages == kv heads) must not share a symbol
-    return Kernels(lambda fn: torch.compile(fn, backend=backend, dynamic=True))
+    """The functions compiled with dynamic shapes (cde/regional.py)."""
+    return regional.compiled(_FUNCTIONS, backend)
