@@ -142,7 +142,48 @@ class EngineStats:
     graphs: int = 0
 
 
-class Engine:
+class StepLoop:
+    """What both engines (this one and isd_engine.IsdEngine) share around their own `submit`
+    and `step`: cancel, stats, draining a request's events, running until idle, and counting
+    compilations. A subclass sets `_lock`, `requests`, `waiting`, `running`, `kv`, `steps`,
+    `forwards`, `compiles`, `preemptions` and `_graphs`."""
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None or req.done:
+                return False
+            req.cancelled = True
+            return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(pool.usable, pool.used, pool.free, len(self.running), len(self.waiting),
+                           self.steps, self.forwards, self.compiles, self.preemptions,
+                           self._graphs.captures if self._graphs is not None else 0)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.has_work():
+                return
+            self.step()
+        raise RuntimeError("engine did not become idle")
+
+    def drain(self, req) -> Iterator:
+        while req.events:
+            yield req.events.popleft()
+
+    def _counting_backend(self, gm, example_inputs):
+        """torch.compile backend: inductor, counting each compilation (tests fail on a recompile)."""
+        self.compiles += 1
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+
+class Engine(StepLoop):
     def __init__(self, model: SteerlingModel, *, tokenizer_vocab_size: int | None = None, max_slots: int = 64,
                  n_pages: int | None = None, max_prefill_rows: int = 32, compile: bool = False,
                  cuda_graphs: bool = False, kv_fraction: float = 0.85, overlap: bool = True):
@@ -190,12 +231,7 @@ class Engine:
         Compiling the whole 32-layer forward instead took minutes per bucket on an H200."""
         from cde.steerling import kernels
 
-        def counting_backend(gm, example_inputs):
-            self.compiles += 1
-            from torch._inductor.compile_fx import compile_fx
-            return compile_fx(gm, example_inputs)
-
-        self.model.use_kernels(kernels.compiled(counting_backend))
+        self.model.use_kernels(kernels.compiled(self._counting_backend))
 
     # ---- public API -----------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], options: DecodeOptions,
@@ -225,22 +261,8 @@ class Engine:
             self.waiting.append(req)
         return req
 
-    def cancel(self, request_id: str) -> bool:
-        with self._lock:
-            req = self.requests.get(request_id)
-            if req is None or req.done:
-                return False
-            req.cancelled = True
-            return True
-
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._inflight is not None)
-
-    def stats(self) -> EngineStats:
-        pool = self.kv.pool
-        return EngineStats(pool.usable, pool.used, pool.free, len(self.running), len(self.waiting),
-                           self.steps, self.forwards, self.compiles, self.preemptions,
-                           self._graphs.captures if self._graphs is not None else 0)
+        return super().has_work() or self._inflight is not None
 
     def warmup(self, max_rows: int = 4, max_new_tokens: int = 70) -> None:
         """Compile (and, on GPU, capture) the step for the shapes traffic will use, before SERVING.
@@ -258,17 +280,6 @@ class Engine:
                 self.run_until_idle()
                 for rid in ids:
                     self.requests.pop(rid, None)
-
-    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
-        for _ in range(max_steps):
-            if not self.has_work():
-                return
-            self.step()
-        raise RuntimeError("engine did not become idle")
-
-    def drain(self, req: Request) -> Iterator[Event]:
-        while req.events:
-            yield req.events.popleft()
 
     # ---- scheduling -----------------------------------------------------------------------
     def _release(self, req: Request) -> None:

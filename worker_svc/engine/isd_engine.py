@@ -59,7 +59,6 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,7 +67,7 @@ from torch import Tensor
 
 from cde.isd.decoder import PROPOSALS, DecodeStats
 from cde.qwen3.model import Qwen3Model
-from worker_svc.engine.engine import ROW_BUCKETS, EngineStats, FinishEvent, bucket
+from worker_svc.engine.engine import ROW_BUCKETS, FinishEvent, StepLoop, bucket
 from worker_svc.engine.isd_runner import PAGE, PROPOSAL_CODES, IsdInputs, IsdRunner, VerifyFn
 from worker_svc.engine.kv_cache import KVCache
 
@@ -198,7 +197,7 @@ def cut_at_stop(tokens: list[int], stops: frozenset[int], max_new: int) -> tuple
     return tokens, None
 
 
-class IsdEngine:
+class IsdEngine(StepLoop):
     def __init__(self, model: Qwen3Model, *, max_slots: int = 64, n_pages: int | None = None, max_stride: int = 8,
                  prefill_chunk: int = 64, max_prefill_rows: int = 8, kv_fraction: float = 0.85,
                  verify_fn: VerifyFn | None = None, cuda_graphs: bool = False, compile: bool = False):
@@ -243,12 +242,7 @@ class IsdEngine:
         proposals and verify stay eager kernels (replayed from CUDA graphs on a GPU)."""
         from cde.qwen3 import kernels
 
-        def counting_backend(gm, example_inputs):
-            self.compiles += 1
-            from torch._inductor.compile_fx import compile_fx
-            return compile_fx(gm, example_inputs)
-
-        self.model.use_kernels(kernels.compiled(counting_backend))
+        self.model.use_kernels(kernels.compiled(self._counting_backend))
 
     def _make_kv(self, n_pages: int | None, fraction: float, max_slots: int, max_stride: int) -> KVCache:
         cfg = self.cfg
@@ -296,23 +290,6 @@ class IsdEngine:
             self.waiting.append(req)
         return req
 
-    def cancel(self, request_id: str) -> bool:
-        with self._lock:
-            req = self.requests.get(request_id)
-            if req is None or req.done:
-                return False
-            req.cancelled = True
-            return True
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def stats(self) -> EngineStats:
-        pool = self.kv.pool
-        return EngineStats(pool.usable, pool.used, pool.free, len(self.running), len(self.waiting),
-                           self.steps, self.forwards, self.compiles, self.preemptions,
-                           self._graphs.captures if self._graphs is not None else 0)
-
     def warmup(self, max_rows: int = 4, max_new_tokens: int = 8, strides: tuple[int, ...] | None = None) -> None:
         """Run throwaway requests through the shapes traffic will use (one and several rows,
         prefill chunks, AR and ISD windows, greedy and sampled), before the worker serves."""
@@ -333,17 +310,6 @@ class IsdEngine:
                 self.run_until_idle()
                 for rid in ids:
                     self.requests.pop(rid, None)
-
-    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
-        for _ in range(max_steps):
-            if not self.has_work():
-                return
-            self.step()
-        raise RuntimeError("engine did not become idle")
-
-    def drain(self, req: IsdRequest) -> Iterator:
-        while req.events:
-            yield req.events.popleft()
 
     # ---- scheduling -----------------------------------------------------------------------
     def _release(self, req: IsdRequest) -> None:
