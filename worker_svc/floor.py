@@ -60,6 +60,7 @@ def measure_floor(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
         out[b] = start.elapsed_time(end) / iters
         del graph, res, h, ctx
         torch.cuda.empty_cache()
-    del ws, lm
+    ws.clear()   # free the weights before empty_cache (fwd, which reads ws and lm, is done)
+    lm = None
     torch.cuda.empty_cache()
     return out
