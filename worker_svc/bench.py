@@ -65,6 +65,25 @@ def git_commit() -> str:
         return os.environ.get("CDE_COMMIT", "unknown")
 
 
+def run_record(module: str, preset_name: str, decoder: str, cuda: bool, dtype: torch.dtype, **extra) -> dict:
+    """The fields every bench JSON starts with (shared/perf/ANCHORS.md): what ran, where, how."""
+    return {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+            "preset": preset_name, "decoder": decoder,
+            "command": " ".join([sys.executable, "-m", module] + sys.argv[1:]),
+            "torch": torch.__version__, "dtype": str(dtype), **extra}
+
+
+def json_writer(path: str | None, result: dict):
+    """save(): rewrite the JSON at `path` (nothing when None), after every run."""
+    out = Path(path) if path else None
+
+    def save() -> None:
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+    return save
+
+
 class GpuTimer:
     """Accumulates GPU busy time per step with CUDA events (idle = wall - busy)."""
 
@@ -223,18 +242,9 @@ def main() -> None:
     cfg = preset(args.preset)
     concs = [int(c) for c in args.concurrency.split(",") if c]
     offs = [int(c) for c in args.off_concurrency.split(",") if c]
-    result = {
-        "commit": git_commit(), "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        "preset": args.preset, "decoder": "block", "command": " ".join([sys.executable, "-m", "worker_svc.bench"] + sys.argv[1:]),
-        "torch": torch.__version__, "dtype": str(dtype), "tokens_per_step": 1, "overlap": not args.no_overlap,
-        "floor": None, "reference": None, "runs": [],
-    }
-    out = Path(args.out) if args.out else None
-
-    def save():
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=2) + "\n")
+    result = run_record("worker_svc.bench", args.preset, "block", cuda, dtype, tokens_per_step=1,
+                        overlap=not args.no_overlap, floor=None, reference=None, runs=[])
+    save = json_writer(args.out, result)
 
     if cuda and not args.no_floor:
         from worker_svc.floor import measure_floor

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
-from worker_svc.bench import fill_random, git_commit
+from worker_svc.bench import fill_random, json_writer, run_record
 from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
 
 
@@ -123,16 +120,8 @@ def main() -> None:
     cfg = preset(args.preset)
     concs = [int(c) for c in args.concurrency.split(",") if c]
     strides = [int(n) for n in args.strides.split(",") if n]
-    result = {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-              "preset": args.preset, "decoder": "isd", "torch": torch.__version__, "dtype": str(dtype),
-              "command": " ".join([sys.executable, "-m", "worker_svc.bench_isd"] + sys.argv[1:]),
-              "floor": None, "runs": [], "verify_ms": {}}
-    out = Path(args.out) if args.out else None
-
-    def save():
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=2) + "\n")
+    result = run_record("worker_svc.bench_isd", args.preset, "isd", cuda, dtype, floor=None, runs=[], verify_ms={})
+    save = json_writer(args.out, result)
 
     if cuda and not args.no_floor:
         from worker_svc.floor import measure_floor
