@@ -24,7 +24,7 @@ from attribution_svc.compute import (
     attribute_block,
 )
 from cde.rpc import make_server, service_name
-from cde.rpc.serving import start_then_load, wait_for_shutdown_signal
+from cde.rpc.serving import serve_until_signal, start_then_load
 from cde.rpc.v1 import attribution_pb2, attribution_pb2_grpc
 from cde.steerling.catalog import ConceptCatalog
 
@@ -101,8 +101,4 @@ async def build_server(model_dir: str | Path, host: str = "127.0.0.1", port: int
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT, then go NOT_SERVING and drain in-flight streams (args.grace seconds)."""
     running = await build_server(args.model_dir, args.host, args.port)
-    try:
-        await wait_for_shutdown_signal()
-    finally:
-        log.info("attribution: shutting down")
-        await running.stop(getattr(args, "grace", 5.0))
+    await serve_until_signal(running, "attribution", getattr(args, "grace", 5.0))

@@ -32,7 +32,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from cde.rpc import make_server, service_name
-from cde.rpc.serving import wait_for_shutdown_signal
+from cde.rpc.serving import serve_until_signal
 from cde.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.admission import Admission
 from scheduler_svc.attribution import AttributionPool
@@ -434,5 +434,4 @@ def options_from_args(args: argparse.Namespace) -> SchedulerOptions:
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT."""
     sched = await start_scheduler(options_from_args(args))
-    await wait_for_shutdown_signal()
-    await sched.stop(args.grace)
+    await serve_until_signal(sched, "scheduler", args.grace)

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from cde.rpc import make_server, service_name
-from cde.rpc.serving import start_then_load, wait_for_shutdown_signal
+from cde.rpc.serving import serve_until_signal, start_then_load
 from cde.rpc.v1 import common_pb2, steering_pb2, steering_pb2_grpc
 from steering_svc.backend import RequestError, SteeringBackend
 
@@ -131,8 +131,4 @@ async def build_server(model_dir: str | Path, host: str = "127.0.0.1", port: int
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT, then go NOT_SERVING and drain in-flight calls (args.grace seconds)."""
     running = await build_server(args.model_dir, args.host, args.port)
-    try:
-        await wait_for_shutdown_signal()
-    finally:
-        log.info("steering: shutting down")
-        await running.stop(getattr(args, "grace", 5.0))
+    await serve_until_signal(running, "steering", getattr(args, "grace", 5.0))

@@ -31,7 +31,7 @@ import torch
 
 from cde.model_family import CAUSAL, model_family
 from cde.rpc import bytes_to_floats, channel_options, make_server, service_name
-from cde.rpc.serving import wait_for_shutdown_signal
+from cde.rpc.serving import serve_until_signal
 from cde.rpc.v1 import (
     common_pb2,
     scheduler_pb2,
@@ -480,5 +480,4 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT, then drain for `args.grace` seconds."""
     worker = await start_worker(options_from_args(args))
-    await wait_for_shutdown_signal()
-    await worker.stop(args.grace)
+    await serve_until_signal(worker, "worker", args.grace)

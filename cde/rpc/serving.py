@@ -28,6 +28,16 @@ async def wait_for_shutdown_signal() -> None:
     await stop.wait()
 
 
+async def serve_until_signal(running, name: str, grace: float) -> None:
+    """Serve `running` (anything with `async stop(grace)`) until SIGTERM/SIGINT, then stop it:
+    NOT_SERVING, and in-flight calls get `grace` seconds to drain."""
+    try:
+        await wait_for_shutdown_signal()
+    finally:
+        logging.getLogger(name).info("shutting down")
+        await running.stop(grace)
+
+
 def run_main(serve: Callable[..., Awaitable[None]], args) -> None:
     """`python -m <service>`: configure logging, then serve until a shutdown signal."""
     configure_logging()
