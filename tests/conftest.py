@@ -13,3 +13,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def report(capsys, request):
+    """Print a figure for the notes even under -q (pytest would capture it otherwise), tagged
+    with the module's REPORT_TAG."""
+    tag = getattr(request.module, "REPORT_TAG", "report")
+
+    def emit(msg: str) -> None:
+        with capsys.disabled():
+            print(f"\n[{tag}] {msg}", flush=True)
+    return emit

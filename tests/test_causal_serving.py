@@ -89,12 +89,7 @@ def test_gateway_resolves_causal_options_and_refuses_concept_features():
         assert e.value.param == param, (param, e.value.message)
 
 
-@pytest.fixture
-def report(capsys):
-    def emit(msg: str) -> None:
-        with capsys.disabled():
-            print(f"\n[causal] {msg}", flush=True)
-    return emit
+REPORT_TAG = "causal"   # the `report` fixture (conftest.py) prints "[causal] ..."
 
 
 def _complete(client: httpx.Client, url: str, body: dict) -> dict:
