@@ -190,15 +190,20 @@ def forward_rows(model: Qwen3Model, seqs: Sequence[Sequence[int]], gates: Sequen
     return logits[torch.tensor(inverse)]
 
 
-def _stops(model: Qwen3Model, tokens: list[int], max_new: int) -> tuple[list[int], str | None]:
-    """Cut at the first EOS (kept) or at max_new; the finish reason, or None to go on."""
-    eos = set(model.cfg.eos_token_ids)
+def cut_at_stop(tokens: list[int], stops, max_new: int) -> tuple[list[int], str | None]:
+    """Cut at the first stop id (kept) within max_new, else at max_new; the finish reason, or
+    None to go on. The engine (worker_svc/engine/isd_engine.py) applies the same rule."""
     for i, t in enumerate(tokens[:max_new]):
-        if t in eos:
+        if t in stops:
             return tokens[:i + 1], "stop"
     if len(tokens) >= max_new:
         return tokens[:max_new], "length"
     return tokens, None
+
+
+def _stops(model: Qwen3Model, tokens: list[int], max_new: int) -> tuple[list[int], str | None]:
+    """The model's EOS ids end a generation."""
+    return cut_at_stop(tokens, set(model.cfg.eos_token_ids), max_new)
 
 
 # ---- plain AR -------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cde.isd.decoder import PROPOSALS, DecodeStats
+from cde.isd.decoder import PROPOSALS, DecodeStats, cut_at_stop
 from cde.qwen3.model import Qwen3Model
 from worker_svc.engine.engine import ROW_BUCKETS, FinishEvent, StepLoop, bucket
 from worker_svc.engine.isd_runner import PAGE, PROPOSAL_CODES, IsdInputs, IsdRunner, VerifyFn
@@ -185,16 +185,6 @@ class _Row:
 
 def pages_for(n_tokens: int) -> int:
     return -(-n_tokens // PAGE)
-
-
-def cut_at_stop(tokens: list[int], stops: frozenset[int], max_new: int) -> tuple[list[int], str | None]:
-    """The reference's stop rule: the first EOS (kept) within max_new, else max_new; None: go on."""
-    for i, t in enumerate(tokens[:max_new]):
-        if t in stops:
-            return tokens[:i + 1], "stop"
-    if len(tokens) >= max_new:
-        return tokens[:max_new], "length"
-    return tokens, None
 
 
 class IsdEngine(StepLoop):
