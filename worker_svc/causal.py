@@ -27,18 +27,18 @@ import grpc
 
 from cde.qwen3.config import IDLM_8B, TINY, Qwen3Config
 from cde.rpc.v1 import common_pb2, worker_pb2
-from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine, IsdFinishEvent, IsdOptions
+from worker_svc.engine.isd_engine import (
+    IsdCommitEvent,
+    IsdEngine,
+    IsdFinishEvent,
+    IsdOptions,
+)
+from worker_svc.validation import BadRequest, checked_prompt, signed_seed
 
 BLOCK = 64
 CHUNK_TOKENS = 16   # tokens per streamed chunk: latency vs one Redis write per chunk
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "cancelled": common_pb2.FINISH_REASON_CANCELLED, "error": common_pb2.FINISH_REASON_ERROR}
-
-
-class CausalBadRequest(ValueError):
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -58,31 +58,25 @@ def causal_preset_name(cfg: Qwen3Config) -> str:
     return "custom"
 
 
-def signed_seed(seed: int) -> int:
-    """uint64 -> the int64 with the same bits: counter_uniform hashes the low and high 32-bit
-    halves, which two's complement keeps, and torch has no uint64 tensors."""
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
-
-
 def isd_options(d: common_pb2.DecodeOptions, sp: common_pb2.SamplingOptions, max_stride: int) -> IsdOptions:
     if d.max_new_tokens < 1:
-        raise CausalBadRequest("decode.max_new_tokens must be >= 1 (the gateway resolves the default)")
+        raise BadRequest("decode.max_new_tokens must be >= 1 (the gateway resolves the default)")
     if d.tokens_per_step > 1 or d.HasField("confidence_threshold"):
-        raise CausalBadRequest("decode.tokens_per_step / confidence_threshold apply to block-diffusion models; "
+        raise BadRequest("decode.tokens_per_step / confidence_threshold apply to block-diffusion models; "
                                "a causal model uses decode.isd_stride")
     stride = d.isd_stride or 1
     if stride > max_stride:
-        raise CausalBadRequest(f"decode.isd_stride must be in [1, {max_stride}] on this worker")
+        raise BadRequest(f"decode.isd_stride must be in [1, {max_stride}] on this worker")
     if sp.use_entropy_sampling:
-        raise CausalBadRequest("sampling.use_entropy_sampling applies to block-diffusion models only")
+        raise BadRequest("sampling.use_entropy_sampling applies to block-diffusion models only")
     if sp.HasField("repetition_penalty") and sp.repetition_penalty != 1.0:
-        raise CausalBadRequest("sampling.repetition_penalty must be 1 for causal (ISD) decoding")
+        raise BadRequest("sampling.repetition_penalty must be 1 for causal (ISD) decoding")
     temperature = sp.temperature if sp.HasField("temperature") else 1.0
     top_p = sp.top_p if sp.HasField("top_p") else 1.0
     if not (temperature >= 0 and temperature < float("inf")):
-        raise CausalBadRequest(f"sampling.temperature must be a finite number >= 0, got {temperature}")
+        raise BadRequest(f"sampling.temperature must be a finite number >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
-        raise CausalBadRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
+        raise BadRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
     seed = d.seed if d.HasField("seed") else 0
     return IsdOptions(max_new_tokens=d.max_new_tokens, stride=stride, temperature=float(temperature),
                       top_p=float(top_p), seed=signed_seed(seed), stop_ids=tuple(d.stop_ids))
@@ -90,30 +84,22 @@ def isd_options(d: common_pb2.DecodeOptions, sp: common_pb2.SamplingOptions, max
 
 def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_limit: int, max_stride: int,
                         pages_usable: int) -> CausalJob:
-    if not req.request_id:
-        raise CausalBadRequest("request_id is required")
+    prompt = checked_prompt(req, token_limit, cfg.mask_token_id)
     if req.HasField("steering"):
-        raise CausalBadRequest("steering is not available for a causal model (it has no concepts)")
-    prompt = list(req.prompt_tokens)
-    if not prompt:
-        raise CausalBadRequest("prompt_tokens must not be empty")
-    bad = [t for t in prompt if t >= token_limit or t == cfg.mask_token_id]
-    if bad:
-        raise CausalBadRequest(f"prompt token ids {bad[:4]} are outside the vocabulary ({token_limit}) "
-                               "or the mask id")
+        raise BadRequest("steering is not available for a causal model (it has no concepts)")
     options = isd_options(req.decode, req.sampling, max_stride)
     if len(prompt) + options.max_new_tokens > cfg.max_positions:
-        raise CausalBadRequest(f"prompt ({len(prompt)}) + max_new_tokens ({options.max_new_tokens}) exceeds the "
+        raise BadRequest(f"prompt ({len(prompt)}) + max_new_tokens ({options.max_new_tokens}) exceeds the "
                                f"context of {cfg.max_positions}")
     stops = [t for t in req.decode.stop_ids if t >= token_limit]
     if stops:
-        raise CausalBadRequest(f"decode.stop_ids {stops[:4]} are outside the vocabulary ({token_limit})")
+        raise BadRequest(f"decode.stop_ids {stops[:4]} are outside the vocabulary ({token_limit})")
     committed = list(req.committed_tokens)
     if any(t >= cfg.vocab_size for t in committed) or len(committed) >= options.max_new_tokens:
-        raise CausalBadRequest("committed_tokens must be vocabulary ids, fewer than max_new_tokens")
+        raise BadRequest("committed_tokens must be vocabulary ids, fewer than max_new_tokens")
     pages = -(-(len(prompt) + options.max_new_tokens + 2 * options.stride) // BLOCK)
     if pages > pages_usable:
-        raise CausalBadRequest(f"the request needs {pages} KV pages; this worker has {pages_usable}",
+        raise BadRequest(f"the request needs {pages} KV pages; this worker has {pages_usable}",
                                grpc.StatusCode.RESOURCE_EXHAUSTED)
     return CausalJob(req.request_id, prompt, options, committed, req.next_step,
                      frozenset(cfg.eos_token_ids) | frozenset(req.decode.stop_ids))
@@ -173,7 +159,7 @@ async def causal_submit(servicer, request, context):
     try:
         job = parse_causal_submit(request, engine.cfg, servicer.token_limit, engine.max_stride,
                                   engine.kv.pool.usable)
-    except CausalBadRequest as e:
+    except BadRequest as e:
         await context.abort(e.code, str(e))
     if job.request_id in engine.requests:
         await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {job.request_id!r} is running here")

@@ -46,7 +46,7 @@ from cde.steerling.reference_decoder import DecodeOptions, clean_output, termina
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import PreparedSteering
 from cde.steerling.tokenizer import load_tokenizer
-from worker_svc.causal import causal_status, causal_submit, signed_seed
+from worker_svc.causal import causal_status, causal_submit
 from worker_svc.engine.async_engine import AsyncEngine
 from worker_svc.engine.engine import (
     K_BUCKETS,
@@ -55,6 +55,7 @@ from worker_svc.engine.engine import (
     FinishEvent,
     StepEvent,
 )
+from worker_svc.validation import BadRequest, checked_prompt, signed_seed
 
 log = logging.getLogger("worker_svc")
 
@@ -63,13 +64,6 @@ _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_RE
            "cancelled": common_pb2.FINISH_REASON_CANCELLED, "error": common_pb2.FINISH_REASON_ERROR}
 _SCHEDULES = {common_pb2.STEERING_SCHEDULE_FIXED: "fixed", common_pb2.STEERING_SCHEDULE_HARD_CUTOFF: "hard_cutoff"}
 
-
-class BadRequest(ValueError):
-    """A request this worker refuses; `code` is the gRPC status to answer with."""
-
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -158,14 +152,7 @@ def prepared_steering(st: common_pb2.PreparedSteering, cfg: SteerlingConfig, mod
 def parse_submit(req: worker_pb2.WorkerSubmit, cfg: SteerlingConfig, token_limit: int, model_name: str,
                  pages_usable: int) -> Job:
     """Validate a WorkerSubmit; raises BadRequest with the status code to answer."""
-    if not req.request_id:
-        raise BadRequest("request_id is required")
-    prompt = list(req.prompt_tokens)
-    if not prompt:
-        raise BadRequest("prompt_tokens must not be empty")
-    bad = [t for t in prompt if t >= token_limit or t == cfg.mask_id]
-    if bad:
-        raise BadRequest(f"prompt token ids {bad[:4]} are outside the vocabulary ({token_limit}) or the mask id")
+    prompt = checked_prompt(req, token_limit, cfg.mask_id)
     options = decode_options(req.decode, req.sampling, cfg, token_limit)
     if len(prompt) + options.max_new_tokens > cfg.block_size:
         raise BadRequest(f"prompt ({len(prompt)}) + max_new_tokens ({options.max_new_tokens}) exceeds the "
