@@ -143,20 +143,24 @@ class IsdRunner:
         n_kv, hd = cfg.n_kv_heads, cfg.head_dim
         dev = inp.tokens.device
         key_pos = torch.arange(p * PAGE, device=dev)
-        mask = (key_pos[None, None, :] <= inp.positions[:, :, None])[:, None]        # (R, 1, Q, P*64)
-        # flat (page, head, offset) row of every (row, head, query) K/V vector
-        page, off = inp.write_idx // PAGE, inp.write_idx % PAGE
-        heads = torch.arange(n_kv, device=dev)[None, :, None]
-        widx = ((page[:, None, :] * n_kv + heads) * PAGE + off[:, None, :]).reshape(-1)  # (R*KV*Q,)
+        visible = (key_pos[None, None, :] <= inp.positions[:, :, None])[:, None]     # (R, 1, Q, P*64)
+        # flat (page, offset, head) row of every (row, query, head) K/V vector
+        heads = torch.arange(n_kv, device=dev)[None, None, :]
+        widx = (inp.write_idx[:, :, None] * n_kv + heads).reshape(-1)                # (R*Q*KV,)
         flat_pages = inp.pages.reshape(-1)
+        masks: dict[torch.dtype, Tensor] = {}
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            kc, vc = kv.k[layer], kv.v[layer]                                          # (pages, KV, 64, hd)
-            kc.view(-1, hd).index_copy_(0, widx, k.reshape(-1, hd).to(kc.dtype))
-            vc.view(-1, hd).index_copy_(0, widx, v.reshape(-1, hd).to(vc.dtype))
-            keys = kc.index_select(0, flat_pages).view(r, p, n_kv, PAGE, hd).transpose(1, 2)
-            vals = vc.index_select(0, flat_pages).view(r, p, n_kv, PAGE, hd).transpose(1, 2)
-            keys, vals = keys.reshape(r, n_kv, p * PAGE, hd), vals.reshape(r, n_kv, p * PAGE, hd)
+            # additive mask built once per step: a bool mask is converted by SDPA in every layer
+            mask = masks.get(q.dtype)
+            if mask is None:
+                mask = masks[q.dtype] = torch.zeros(visible.shape, dtype=q.dtype, device=dev).masked_fill_(
+                    ~visible, float("-inf"))
+            kc, vc = kv.k[layer], kv.v[layer]                                          # (pages, 64, KV, hd)
+            kc.view(-1, hd).index_copy_(0, widx, k.transpose(1, 2).reshape(-1, hd).to(kc.dtype))
+            vc.view(-1, hd).index_copy_(0, widx, v.transpose(1, 2).reshape(-1, hd).to(vc.dtype))
+            keys = kc.index_select(0, flat_pages).view(r, p * PAGE, n_kv, hd).transpose(1, 2)
+            vals = vc.index_select(0, flat_pages).view(r, p * PAGE, n_kv, hd).transpose(1, 2)
             return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
                                                   enable_gqa=True)
 

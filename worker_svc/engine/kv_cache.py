@@ -37,11 +37,16 @@ class PagePool:
 
 
 class KVCache:
-    """K and V tensors shaped (layers, pages, kv_heads, 64, head_dim)."""
+    """K and V tensors shaped (layers, pages, 64, kv_heads, head_dim).
+
+    Token-major inside a page: a gathered page table (rows, pages * 64, kv_heads, head_dim)
+    is the usual (batch, seq, heads, dim) layout, so attention reads it through a transposed
+    view instead of a copy into (batch, heads, seq, dim).
+    """
 
     def __init__(self, n_layers: int, n_pages: int, n_kv: int, page: int, head_dim: int,
                  dtype: torch.dtype, device):
-        shape = (n_layers, n_pages, n_kv, page, head_dim)
+        shape = (n_layers, n_pages, page, n_kv, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.pool = PagePool(n_pages)

@@ -96,15 +96,21 @@ class StepRunner:
         r, p = inp.pages.shape
         n_kv, hd = cfg.n_kv_heads, cfg.head_dim
         key_pos = torch.arange(p * BLOCK, device=inp.tokens.device)
-        mask = (key_pos[None, :] < inp.n_visible[:, None])[:, None, None, :]      # (R, 1, 1, P*64)
+        visible = (key_pos[None, :] < inp.n_visible[:, None])[:, None, None, :]   # (R, 1, 1, P*64)
         flat_pages = inp.pages.reshape(-1)
+        masks: dict[torch.dtype, Tensor] = {}
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            kc, vc = kv.k[layer], kv.v[layer]
-            kc.index_copy_(0, inp.write_page, k.to(kc.dtype))
-            vc.index_copy_(0, inp.write_page, v.to(vc.dtype))
-            keys = kc.index_select(0, flat_pages).view(r, p, n_kv, BLOCK, hd).transpose(1, 2).reshape(r, n_kv, p * BLOCK, hd)
-            vals = vc.index_select(0, flat_pages).view(r, p, n_kv, BLOCK, hd).transpose(1, 2).reshape(r, n_kv, p * BLOCK, hd)
+            # additive mask built once per step: a bool mask is converted by SDPA in every layer
+            mask = masks.get(q.dtype)
+            if mask is None:
+                mask = masks[q.dtype] = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                    ~visible, float("-inf"))
+            kc, vc = kv.k[layer], kv.v[layer]                                   # (pages, 64, KV, hd)
+            kc.index_copy_(0, inp.write_page, k.transpose(1, 2).to(kc.dtype))
+            vc.index_copy_(0, inp.write_page, v.transpose(1, 2).to(vc.dtype))
+            keys = kc.index_select(0, flat_pages).view(r, p * BLOCK, n_kv, hd).transpose(1, 2)
+            vals = vc.index_select(0, flat_pages).view(r, p * BLOCK, n_kv, hd).transpose(1, 2)
             return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, enable_gqa=True)
 
         steering = SteeringInputs(self.tables.steer.index_select(0, inp.steer_slot), inp.alpha,
