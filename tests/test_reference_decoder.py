@@ -166,6 +166,22 @@ def test_streaming_topk_equals_dense_topk():
             assert torch.allclose(lg, ref_v, atol=1e-5)
 
 
+def test_streaming_topk_never_picks_padding_rows():
+    """The last pass multiplies the padding rows too (aligned GEMM width) and must drop them:
+    padding scored far above every concept would otherwise fill the top-k."""
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(37, 24, generator=g) * 0.5, torch.randn(203, 24, generator=g) * 0.5
+    padded = torch.cat([w, 50 * h[:1].repeat(13, 1)])          # 13 padding rows aligned with h[0]
+    dense = (h @ w.t()).clamp(-15, 15)
+    for chunk in (7, 64, 200, 1000):
+        for by_sigmoid in (False, True):
+            idx, lg = streaming_topk(h, padded, 11, chunk, by_sigmoid, n_valid=203)
+            assert int(idx.max()) < 203
+            ref_v, ref_i = dense.topk(11)
+            assert torch.equal(idx, ref_i)
+            assert torch.allclose(lg, ref_v, atol=1e-5)
+
+
 def test_counter_uniform_streams_and_steps_do_not_collide():
     step = torch.arange(64)
     pos = torch.zeros(64, dtype=torch.long)

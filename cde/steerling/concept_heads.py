@@ -36,19 +36,24 @@ def concept_chunk(configured: int) -> int:
 
 
 def streaming_topk(
-    h: Tensor, weight: Tensor, k: int, chunk: int, rank_by_sigmoid: bool
+    h: Tensor, weight: Tensor, k: int, chunk: int, rank_by_sigmoid: bool, n_valid: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """Top-k concepts of `h @ weight.T` (clamped, fp32) without the full score matrix.
 
-    h: (N, d); weight: (C, d) over valid concepts only. Returns (indices, logits), (N, k'),
-    with k' = min(k, C), ordered by descending rank value.
+    h: (N, d); weight: (C', d), of which the first C = n_valid (default all) rows are
+    concepts and the rest padding. Returns (indices, logits), (N, k'), with k' = min(k, C),
+    ordered by descending rank value.
     """
-    n, c = h.shape[0], weight.shape[0]
+    n, c = h.shape[0], weight.shape[0] if n_valid is None else n_valid
     k = min(k, c)
     top_key = top_idx = top_logit = None
     for start in range(0, c, chunk):
         end = min(start + chunk, c)
-        logits = (h @ weight[start:end].t().to(h.dtype)).float().clamp_(-LOGIT_CLAMP, LOGIT_CLAMP)
+        # the last pass multiplies the padding rows too and drops their scores: an output width
+        # of 33,732 (not a multiple of 8) makes cuBLAS fall back to a slow unaligned kernel
+        stop = weight.shape[0] if end == c else end
+        logits = (h @ weight[start:stop].t().to(h.dtype))[:, : end - start]
+        logits = logits.float().clamp_(-LOGIT_CLAMP, LOGIT_CLAMP)
         key = torch.sigmoid(logits) if rank_by_sigmoid else logits
         kk = min(k, end - start)
         v, i = torch.topk(key, kk, dim=1)
@@ -88,9 +93,9 @@ class KnownHead(nn.Module):
         return self.concept_embedding.weight[ids]
 
     def topk_of(self, h: Tensor, token_chunk: int | None = TOKEN_CHUNK) -> tuple[Tensor, Tensor]:
-        w = self.concept_predictor.weight[: self.n_concepts]
-        return _by_token_chunks(lambda x: streaming_topk(x, w, self.topk, concept_chunk(self.chunk), True),
-                                h, token_chunk)
+        w = self.concept_predictor.weight
+        return _by_token_chunks(
+            lambda x: streaming_topk(x, w, self.topk, concept_chunk(self.chunk), True, self.n_concepts), h, token_chunk)
 
     def mix(self, idx: Tensor, weights: Tensor) -> Tensor:
         """sum_i weights_i * E[idx_i] per row, without forming (N, k, D)."""
@@ -116,12 +121,12 @@ class DiscoveredHead(nn.Module):
         return self.embedding_basis(self.embedding_coef.weight[ids])
 
     def topk_of(self, h: Tensor, token_chunk: int | None = TOKEN_CHUNK) -> tuple[Tensor, Tensor]:
-        up = self.predictor_up.weight[: self.n_concepts]
+        up = self.predictor_up.weight
         down = self.predictor_down.weight
 
         def one(x: Tensor) -> tuple[Tensor, Tensor]:
             compressed = (x @ down.t()).float()
-            return streaming_topk(compressed, up, self.topk, concept_chunk(self.chunk), False)
+            return streaming_topk(compressed, up, self.topk, concept_chunk(self.chunk), False, self.n_concepts)
 
         return _by_token_chunks(one, h, token_chunk)
 

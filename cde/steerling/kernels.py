@@ -69,7 +69,26 @@ def swiglu(h: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-_FUNCTIONS = {"qkv_prep": qkv_prep, "add_norm": add_norm, "add_norm_steer": add_norm_steer, "swiglu": swiglu}
+def adjust_logits(logits: Tensor, relu: Tensor, seen: Tensor, rep: Tensor, banned: Tensor) -> Tensor:
+    """The sampler's adjusted logits (fp32): relu suppression, repetition penalty on seen ids,
+    banned ids at -inf. logits (R, T, V); relu (R, 1, V) fp32; seen (R, 1, V) bool; rep (R,)
+    fp32; banned (V,) bool. Elementwise, so any subset of positions gives the same bits."""
+    out = logits.float() - relu
+    rp = rep[:, None, None]
+    penalized = torch.where(out > 0, out / rp, out * rp)
+    out = torch.where(seen & (rp != 1.0), penalized, out)
+    return out.masked_fill(banned, float("-inf"))
+
+
+def confidence(logits: Tensor, relu: Tensor, seen: Tensor, rep: Tensor, banned: Tensor) -> Tensor:
+    """Max softmax probability of the adjusted logits per position, (R, T). Compiled, the
+    adjustment fuses into the softmax's reductions: the (R, 64, V) fp32 tensors the eager
+    version writes several times (0.8 GB each at 32 rows) are never formed."""
+    return torch.softmax(adjust_logits(logits, relu, seen, rep, banned), dim=-1).amax(dim=-1)
+
+
+_FUNCTIONS = {"qkv_prep": qkv_prep, "add_norm": add_norm, "add_norm_steer": add_norm_steer, "swiglu": swiglu,
+              "confidence": confidence}
 EAGER = Kernels(_FUNCTIONS)
 
 

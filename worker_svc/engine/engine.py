@@ -226,12 +226,15 @@ class Engine(StepLoop):
     # ---- compilation ----------------------------------------------------------------------
     def _compile(self) -> None:
         """Regional compilation: the layers' pointwise parts (cde.steerling.kernels), one graph
-        per function for all layers and shapes. GEMMs, attention, heads and the sampler stay
-        eager kernels (cuBLAS / SDPA / top-k); under CUDA graphs their launches are replayed.
+        per function for all layers and shapes, plus the sampler's confidence pass. GEMMs,
+        attention, heads and the rest of the sampler stay eager kernels (cuBLAS / SDPA / top-k);
+        under CUDA graphs their launches are replayed.
         Compiling the whole 32-layer forward instead took minutes per bucket on an H200."""
         from cde.steerling import kernels
 
-        self.model.use_kernels(kernels.compiled(self._counting_backend))
+        compiled = kernels.compiled(self._counting_backend)
+        self.model.use_kernels(compiled)
+        self.runner.kernels = compiled
 
     # ---- public API -----------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], options: DecodeOptions,

@@ -4,7 +4,9 @@ Same idea as graphs.py for the Steerling step: each graph owns static `IsdInputs
 a step copies its small host-built inputs into them and replays the captured forward +
 proposals + verify, so the host issues one replay instead of ~30 launches per layer. The
 bucket is the shapes of the inputs (rows, query length, pages, drafts) plus the window the
-LM head reads and whether any row filters its vocabulary (top-k / top-p); all graphs share one memory pool and are captured on first use.
+LM head reads and the step's host-known flags (some row filters its vocabulary with top-k /
+top-p; some row samples: without one the step is the greedy-only path), so a graph is never
+replayed for the other path. All graphs share one memory pool and are captured on first use.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import torch
 from worker_svc.engine.isd_runner import IsdInputs
 
 
-def _key(inp: IsdInputs, window: int, filtered: bool) -> tuple:
-    return (window, filtered) + tuple(tuple(getattr(inp, f.name).shape) for f in fields(IsdInputs))
+def _key(inp: IsdInputs, window: int, filtered: bool, sampling: bool) -> tuple:
+    return (window, filtered, sampling) + tuple(tuple(getattr(inp, f.name).shape) for f in fields(IsdInputs))
 
 
 class _Graph:
-    def __init__(self, runner, pool, inp: IsdInputs, window: int, filtered: bool):
+    def __init__(self, runner, pool, inp: IsdInputs, window: int, filtered: bool, sampling: bool):
         dev = inp.tokens.device
         step = runner.step
         self.inp = IsdInputs(*(getattr(inp, f.name).clone() for f in fields(IsdInputs)))
@@ -32,12 +34,12 @@ class _Graph:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):   # warm up (Triton autotune / compile) outside the capture
-                step(self.inp, window, filtered)
+                step(self.inp, window, filtered, sampling)
                 runner.q_table.index_copy_(0, self.inp.slot, saved)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = step(self.inp, window, filtered)
+            self.out = step(self.inp, window, filtered, sampling)
 
     def replay(self, inp: IsdInputs):
         for f in fields(IsdInputs):
@@ -56,9 +58,9 @@ class IsdGraphCache:
     def captures(self) -> int:
         return len(self.graphs)
 
-    def run(self, inp: IsdInputs, window: int, filtered: bool = True):
-        key = _key(inp, window, filtered)
+    def run(self, inp: IsdInputs, window: int, filtered: bool = True, sampling: bool = True):
+        key = _key(inp, window, filtered, sampling)
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = _Graph(self.runner, self.pool, inp, window, filtered)
+            g = self.graphs[key] = _Graph(self.runner, self.pool, inp, window, filtered, sampling)
         return g.replay(inp)

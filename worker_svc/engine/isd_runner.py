@@ -22,6 +22,10 @@ step here is, for R rows padded to a common query length Q:
 3. **verify** the drafts the host sent (last step's proposals) against this step's p with
    the stored q: ``verify_torch`` on the CPU, the Triton kernel's launcher on CUDA.
 
+A step where no row samples (the host-known ``sampling`` flag is off) does only what greedy
+rows need: argmaxes for the clean token and the drafts and ``greedy_verify`` (verify_torch's
+greedy rule, bit for bit), with no draws, filters, q-table writes or verify kernel.
+
 All three are one function of fixed-shape tensors per (rows, pages, Q, K) bucket with no
 Python branching on data (rows that are not verify rows are verified as greedy dummies and
 ignored by the host), so the step can later be compiled and captured as a CUDA graph. The
@@ -47,6 +51,8 @@ PAGE = 64
 
 # proposal modes as ints on the device (cde.isd.decoder.PROPOSALS order)
 PROPOSAL_CODES = {"sample": 0, "argmax_onehot": 1, "argmax": 2}
+
+_EXACT_IN_F32 = (torch.float32, torch.bfloat16, torch.float16)
 
 VerifyFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
@@ -110,6 +116,28 @@ def scaled_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tenso
     return (x / t).masked_fill(~keep_mask_rows(logits, temperature, top_k, top_p), float("-inf"))
 
 
+def greedy_verify(p_logits: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
+    """``verify_torch``'s result when every row is greedy, bit for bit, without its softmaxes:
+    best = argmax of the float32 p logits (first index on ties); n_accepted = the leading drafts
+    equal to it; correction = best at the first rejection, -1 when all were accepted. Rows that
+    are not verify rows (drafts 0) get the same rule, as the full path's greedy dummies do."""
+    r, k = drafts.shape
+    if k == 0:
+        return (torch.zeros(r, dtype=torch.int64, device=drafts.device),
+                torch.full((r,), -1, dtype=torch.int64, device=drafts.device))
+    # verify_torch compares float32 logits: wider logits are rounded first (rounding can make
+    # ties), narrower ones convert exactly, so their argmax is taken without the copy
+    best = (p_logits if p_logits.dtype in _EXACT_IN_F32 else p_logits.float()).argmax(-1)    # (R, K)
+    n_acc = torch.cumprod((drafts == best).long(), dim=-1).sum(-1)
+    corr = best.gather(1, n_acc.clamp(max=k - 1)[:, None]).squeeze(1)
+    return n_acc, torch.where(n_acc < k, corr, torch.full_like(corr, -1))
+
+
+def pack(clean: Tensor, new_specs: Tensor, n_acc: Tensor, corr: Tensor) -> Tensor:
+    """The step's one result tensor: (R, K + 3) int64 [clean, K drafts, n_accepted, correction]."""
+    return torch.cat([clean[:, None], new_specs, n_acc.long()[:, None], corr.long()[:, None]], dim=1)
+
+
 def default_verify(device: torch.device) -> VerifyFn:
     """verify_torch on the CPU; the Triton kernel (no host-syncing checks) on CUDA when available."""
     if device.type == "cuda":
@@ -170,25 +198,37 @@ class IsdRunner:
         return self.model.logits(hw)
 
     # ---- 2. + 3. proposals and verify -----------------------------------------------------
-    def propose_and_verify(self, inp: IsdInputs, logits: Tensor, filtered: bool = True) -> Tensor:
-        """Packed (R, K + 3) int64: clean token, K new drafts, n_accepted, correction."""
+    def propose_and_verify(self, inp: IsdInputs, logits: Tensor, filtered: bool = True,
+                           sampling: bool = True) -> Tensor:
+        """Packed (R, K + 3) int64: clean token, K new drafts, n_accepted, correction.
+
+        sampling: some row of the step samples (T > 0), a host-known flag (part of the graph
+        bucket). Without it every row is greedy and the step is argmaxes only: no draws, no
+        vocabulary filters, no q-table write (a greedy request never reads its q), and verify
+        is `greedy_verify` instead of ``verify_fn``; the packed result is the same."""
         r, w, v = logits.shape
         k = inp.drafts.shape[1]
         dev = logits.device
         rows = torch.arange(r, device=dev)
+        # clean token at absolute position win_pos + clean_j + 1
+        clean_logits = logits[rows, inp.clean_j]                                        # (R, V)
+        # K new drafts from the mask logits (window indices mask_j0 .. mask_j0 + K - 1)
+        mask_j = (inp.mask_j0[:, None] + torch.arange(k, device=dev)[None, :]).clamp(max=w - 1)
+        mlog = logits[rows[:, None], mask_j]                                            # (R, K, V)
+        # last step's drafts s_i are verified against window index i - 1 (i = 1..K)
+        raw = logits[:, :k]
+        if not sampling:
+            n_acc, corr = greedy_verify(raw, inp.drafts)
+            return pack(clean_logits.argmax(-1), mlog.argmax(-1), n_acc, corr)
+
         greedy = inp.greedy
         temp = torch.where(greedy, torch.ones_like(inp.temperature), inp.temperature)
         zeros = torch.zeros_like(inp.seed)
 
-        # clean token at absolute position win_pos + clean_j + 1
-        clean_logits = logits[rows, inp.clean_j]                                        # (R, V)
         u = counter_uniform(inp.seed, inp.win_pos + inp.clean_j + 1, zeros, STREAM_SAMPLE)
         drawn = draw(scaled_rows(clean_logits, temp, inp.top_k, inp.top_p, filtered), u)
         clean = torch.where(greedy, clean_logits.argmax(-1), drawn)
 
-        # K new drafts from the mask logits (window indices mask_j0 .. mask_j0 + K - 1)
-        mask_j = (inp.mask_j0[:, None] + torch.arange(k, device=dev)[None, :]).clamp(max=w - 1)
-        mlog = logits[rows[:, None], mask_j]                                            # (R, K, V)
         scaled = scaled_rows(mlog, temp, inp.top_k, inp.top_p, filtered)
         seed_k = inp.seed[:, None].expand(r, k)
         u = counter_uniform(seed_k, inp.win_pos[:, None] + mask_j + 1, inp.fwd_index[:, None].expand(r, k),
@@ -202,8 +242,6 @@ class IsdRunner:
                             torch.where((prop == PROPOSAL_CODES["argmax_onehot"])[..., None],
                                         onehot_logits(top, v), scaled.float()))
 
-        # verify last step's drafts: p for s_i is window index i - 1 (i = 1..K)
-        raw = logits[:, :k]
         p_in = torch.where(greedy[:, None, None], raw.float(),
                            raw.float() if not filtered else
                            raw.float().masked_fill(~keep_mask_rows(raw, temp, inp.top_k, inp.top_p), float("-inf")))
@@ -217,9 +255,9 @@ class IsdRunner:
         n_acc, corr = self.verify_fn(p_in, q_old, inp.drafts, vtemp, ua, ur, vgreedy)
         # the new drafts' q: read by the next step only if it is a verify step (rejection -> cold)
         q_table.index_copy_(0, inp.slot, new_q)
-        return torch.cat([clean[:, None], new_specs, n_acc.long()[:, None], corr.long()[:, None]], dim=1)
+        return pack(clean, new_specs, n_acc, corr)
 
-    def step(self, inp: IsdInputs, window: int, filtered: bool = True) -> Tensor:
-        """filtered: some row of the step uses top-k or top-p (a host-known flag, part of the
-        graph bucket), so the per-row vocabulary filters must run."""
-        return self.propose_and_verify(inp, self.forward(inp, window), filtered)
+    def step(self, inp: IsdInputs, window: int, filtered: bool = True, sampling: bool = True) -> Tensor:
+        """filtered: some row of the step uses top-k or top-p; sampling: some row samples (T > 0).
+        Both are host-known flags (part of the graph bucket) that switch off work no row needs."""
+        return self.propose_and_verify(inp, self.forward(inp, window), filtered, sampling)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cde.steerling import kernels
 from cde.steerling.model import SteeringInputs, SteerlingModel
 from cde.steerling.sampling import counter_uniform, draw, entropy_temperature, top_p_filter
 from worker_svc.engine.kv_cache import KVCache
@@ -84,6 +85,7 @@ class StepRunner:
         self.banned_mask = torch.zeros(vocab, dtype=torch.bool, device=banned.device)
         self.banned_mask[banned] = True
         self.banned_mask[self.cfg.eos_id] = True
+        self.kernels = kernels.EAGER   # the engine swaps in compiled ones (Engine._compile)
 
     def resolve_tokens(self, inp: ForwardInputs) -> Tensor:
         """The rows' tokens: the host's, or the block-token table's for `from_table` rows."""
@@ -143,14 +145,9 @@ class StepRunner:
         r = tokens.shape[0]
         v = logits.shape[-1]
         lg = logits.view(r, BLOCK, v)
-        out = lg.float() - self.tables.relu.index_select(0, s.slot)[:, None, :]
-        rp = s.rep[:, None, None]
-        penalized = torch.where(out > 0, out / rp, out * rp)
+        relu = self.tables.relu.index_select(0, s.slot)[:, None, :]
         seen = self.tables.seen.index_select(0, s.slot)[:, None, :]
-        out = torch.where(seen & (rp != 1.0), penalized, out)
-        adjusted = out.masked_fill(self.banned_mask, float("-inf"))
-
-        conf = torch.softmax(adjusted, dim=-1).amax(dim=-1)                         # (R, 64)
+        conf = self.kernels.confidence(lg, relu, seen, s.rep, self.banned_mask)        # (R, 64)
         candidate = (tokens == cfg.mask_id) & s.decode[:, None]
         conf = torch.where(candidate, conf, torch.full_like(conf, float("-inf")))
         conf_sel, idx = conf.topk(kmax, dim=1)                                       # (R, kmax)
@@ -158,7 +155,8 @@ class StepRunner:
         valid = (j < s.k[:, None]) & (conf_sel > float("-inf")) & ((j == 0) | (conf_sel >= s.threshold[:, None]))
 
         rows = torch.arange(r, device=tokens.device)[:, None].expand(r, kmax)
-        adj_sel = adjusted[rows, idx].reshape(r * kmax, v)
+        # the chosen positions' adjusted logits, recomputed (elementwise: the same bits)
+        adj_sel = kernels.adjust_logits(lg[rows, idx], relu, seen, s.rep, self.banned_mask).reshape(r * kmax, v)
         pos_sel = positions.gather(1, idx)
         u = counter_uniform(s.seed[:, None].expand(r, kmax).reshape(-1), pos_sel.reshape(-1),
                             s.step[:, None].expand(r, kmax).reshape(-1))
