@@ -62,3 +62,15 @@ def test_compiled_kernels_equal_eager_on_fresh_inputs():
         torch.testing.assert_close(kn.add_norm_steer(x, y, w, 1e-5, coef, vec),
                                    kernels.add_norm_steer(x, y, w, 1e-5, coef, vec), rtol=tol, atol=tol)
         torch.testing.assert_close(kn.swiglu(qkv), kernels.swiglu(qkv), rtol=tol, atol=tol)
+        # the sampler's confidence: bans, penalties on seen ids, relu suppression all in play
+        v = 50
+        logits, relu = rnd(b, t, v) * 4, torch.rand(b, 1, v, generator=g) * (torch.rand(b, 1, v, generator=g) < 0.3)
+        seen = torch.rand(b, 1, v, generator=g) < 0.2
+        rep, banned = torch.tensor([1.0, 1.3, 0.8]), torch.rand(v, generator=g) < 0.1
+        torch.testing.assert_close(kn.confidence(logits, relu, seen, rep, banned),
+                                   kernels.confidence(logits, relu, seen, rep, banned), rtol=1e-5, atol=1e-6)
+    # the counter hash is integer arithmetic: exact, including 64-bit seeds
+    seed = torch.randint(-2**62, 2**62, (257,), generator=g)
+    pos, step = torch.randint(0, 1 << 20, (257,), generator=g), torch.randint(0, 1 << 16, (257,), generator=g)
+    for stream in (0, 3):
+        assert torch.equal(kn.counter_uniform(seed, pos, step, stream), kernels.counter_uniform(seed, pos, step, stream))

@@ -33,11 +33,14 @@ import torch
 
 from cde.isd.decoder import DecodeStats, generate_ar_batch, generate_isd_batch
 from cde.isd.toy import lag_model
+from cde.isd.verify import verify_torch
 from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
 from tests.test_isd import HAS_TRITON, random_lora, run_child
 from worker_svc.engine.async_engine import AsyncEngine
 from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine, IsdFinishEvent, IsdOptions
+from worker_svc.engine.isd_runner import IsdInputs, IsdRunner, greedy_verify
+from worker_svc.engine.kv_cache import KVCache
 
 LENGTHS = (1, 5, 63, 64, 65, 130)
 NEW = 24
@@ -148,6 +151,22 @@ def check_all(model, engine_events, jobs, tag) -> dict[str, IsdFinishEvent]:
     return fins
 
 
+def record_flags(engine: IsdEngine) -> list[tuple[bool, bool, IsdInputs]]:
+    """Wrap the engine's device step: each step's (filtered, sampling, inputs) in a list."""
+    seen: list[tuple[bool, bool, IsdInputs]] = []
+    step = engine._device_step
+
+    def recording(inp, window, filtered, sampling):
+        seen.append((filtered, sampling, inp))
+        return step(inp, window, filtered, sampling)
+    engine._device_step = recording
+    return seen
+
+
+def has_greedy_decode_row(inp: IsdInputs) -> bool:
+    return bool((inp.greedy & (inp.slot > 0)).any())   # cold / verify rows have a slot
+
+
 # =========================================================================================
 # Greedy: every stride equals greedy AR, in one mixed batch with mid-flight joins
 # =========================================================================================
@@ -161,7 +180,10 @@ def test_greedy_all_strides_equal_greedy_ar(kind):
     prompts = prompts_for(model, rng) + [PROBE]
     jobs = [(f"N{n}-L{len(p)}", p, IsdOptions(NEW, stride=n)) for n in (1, 2, 3, 4, 8) for p in prompts]
     rng.shuffle(jobs)
-    events = run_in_waves(IsdEngine(model, n_pages=128), jobs)
+    engine = IsdEngine(model, n_pages=128)
+    flags = record_flags(engine)
+    events = run_in_waves(engine, jobs)
+    assert not any(sampling for _, sampling, _ in flags), "greedy-only steps must take the greedy path"
     fins = check_all(model, events, jobs, f"seed={seed} {kind}")  # against generate_isd_batch (and its stats)
     ar = {len(p): g.tokens for p, g in zip(prompts, generate_ar_batch(model, prompts, NEW))}
     for rid, prompt, _ in jobs:  # ... and every stride against greedy AR directly
@@ -173,6 +195,61 @@ def test_greedy_all_strides_equal_greedy_ar(kind):
         assert 0 < acc < prop and sum(f.stats.full_accepts for f in isd) > 0, f"seed={seed}: paths not exercised"
         assert sum(f.stats.generated for f in isd) > sum(f.stats.forwards for f in isd), \
             f"seed={seed}: ISD should emit more than one token per forward on the lag model"
+
+
+# =========================================================================================
+# Greedy-only steps: argmaxes and greedy_verify instead of the sampled path, same result
+# =========================================================================================
+
+def greedy_step_inputs(g: torch.Generator, r: int, k: int, v: int, n_slots: int, dtype: torch.dtype):
+    """Random window logits (R, 2K+1, V) with many ties (small integers; in float64 split by
+    1e-12, which float32 rounds back to ties) and all-greedy step inputs: verify rows whose
+    drafts are mostly the argmax (every acceptance length), non-verify rows with drafts 0."""
+    w = 2 * k + 1
+    logits = torch.randint(0, 6, (r, w, v), generator=g).to(dtype)
+    if dtype == torch.float64:
+        logits += 1e-12 * torch.rand(r, w, v, generator=g, dtype=torch.float64)
+    verify_row = torch.rand(r, generator=g) < 0.7
+    best = logits[:, :k].float().argmax(-1)
+    drafts = torch.where(torch.rand(r, k, generator=g) < 0.8, best, torch.randint(0, v, (r, k), generator=g))
+    drafts = torch.where(verify_row[:, None], drafts, 0)
+    ints = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=g)   # noqa: E731
+    inp = IsdInputs(
+        tokens=ints(0, v, r, w), positions=ints(0, 99, r, w), gate=torch.zeros(r, w, dtype=torch.bool),
+        write_idx=ints(0, 64, r, w), pages=ints(0, 2, r, 1), read_start=ints(0, w, r),
+        slot=ints(1, n_slots, r), win_pos=ints(0, 999, r), clean_j=ints(0, w, r), mask_j0=ints(0, w, r),
+        verify_row=verify_row, drafts=drafts, greedy=torch.ones(r, dtype=torch.bool),
+        temperature=torch.ones(r, dtype=torch.float64), top_k=ints(0, 4, r), top_p=torch.ones(r, dtype=torch.float64),
+        seed=ints(0, 1 << 40, r), fwd_index=ints(0, 99, r), proposal=ints(0, 3, r))
+    return logits, inp
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_greedy_only_step_packs_what_the_full_path_packs(dtype):
+    """sampling=False (no row samples): argmaxes and greedy_verify, no draws, no q write. The
+    packed result must equal the full path's (verify_torch with greedy rows) bit for bit, for
+    verify and non-verify rows, K = 0..7, with ties (first index wins) and float32 rounding."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = lag_model(seed, vocab=64)
+    cfg = model.cfg
+    r, n_slots = 12, 13
+    runner = IsdRunner(model, KVCache(cfg.n_layers, 2, cfg.n_kv_heads, 64, cfg.head_dim, model.lm_head.weight.dtype,
+                                      "cpu"), n_slots, 7, verify_torch)
+    outcomes = set()
+    for k in range(8):
+        for _ in range(4):
+            logits, inp = greedy_step_inputs(g, r, k, cfg.vocab_size, n_slots, dtype)
+            runner.q_table.normal_(generator=g)
+            q_before = runner.q_table.clone()
+            fast = runner.propose_and_verify(inp, logits, filtered=False, sampling=False)
+            assert torch.equal(runner.q_table, q_before), f"seed={seed}: the greedy path wrote the q table"
+            full = runner.propose_and_verify(inp, logits, filtered=True, sampling=True)
+            assert fast.dtype == full.dtype == torch.int64
+            assert torch.equal(fast, full), f"seed={seed} K={k} {dtype}: {fast.tolist()} != {full.tolist()}"
+            if k >= 2:
+                outcomes |= {"all" if a == k else "none" if a == 0 else "some" for a in fast[inp.verify_row, k + 1]}
+    assert outcomes == {"all", "none", "some"}, f"seed={seed}: acceptance lengths not all exercised: {outcomes}"
 
 
 # =========================================================================================
@@ -215,7 +292,8 @@ def test_seeded_sampling_equals_reference_batched_and_joining(kind):
 @pytest.mark.parity
 def test_unfiltered_steps_skip_the_vocabulary_filters_and_still_equal_the_reference():
     """A step where no row uses top-k / top-p runs without the filter sorts (filtered=False):
-    same tokens as the reference, greedy and sampled, and the flag really was off."""
+    same tokens as the reference, greedy and sampled, and the flag really was off. Greedy rows
+    batched with sampled ones take the full path (sampling=True), still exact."""
     seed = fresh_seed()
     model = models(seed)["lag4"]
     rng = random.Random(seed)
@@ -225,12 +303,11 @@ def test_unfiltered_steps_skip_the_vocabulary_filters_and_still_equal_the_refere
             jobs.append((f"u{c}-{len(jobs)}", prompt, IsdOptions(NEW, stride=n, temperature=t,
                                                                  seed=rng.randrange(1 << 40))))
     engine = IsdEngine(model, n_pages=128)
-    flags = []
-    step = engine._device_step
-    engine._device_step = lambda inp, window, filtered: flags.append(filtered) or step(inp, window, filtered)
+    flags = record_flags(engine)
     events = run_in_waves(engine, jobs, waves=2, steps_between=3)
     check_all(model, events, jobs, f"seed={seed} unfiltered")
-    assert flags and not any(flags)
+    assert flags and not any(filtered for filtered, _, _ in flags)
+    assert any(sampling and has_greedy_decode_row(inp) for _, sampling, inp in flags), "no mixed step"
 
 
 # =========================================================================================
@@ -485,6 +562,16 @@ def triton_engine_child() -> None:
 
     torch.set_num_threads(1)
     seed = fresh_seed()
+    # greedy_verify (the greedy-only step's verify) gives what the kernel gives greedy rows; V = 37
+    # in tiles of 16, ties within and across tiles
+    g = torch.Generator().manual_seed(seed)
+    for k, dtype in ((1, torch.float32), (3, torch.float64), (7, torch.bfloat16)):
+        logits, inp = greedy_step_inputs(g, 8, k, 37, 2, dtype)
+        p, r = logits[:, :k], logits.shape[0]
+        got = launch(p, torch.randn(p.shape, generator=g), inp.drafts, torch.zeros(r), torch.rand(r, k, generator=g),
+                     torch.rand(r, k, generator=g), torch.ones(r, dtype=torch.bool), block=16)
+        want = greedy_verify(p, inp.drafts)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed={seed} K={k}: kernel {got} != {want}"
     model = stopping_lag_model(seed)
     rng = random.Random(seed)
     jobs = [(f"c{c}-{i}", prompt, IsdOptions(16, stride=n, temperature=t, top_k=k, top_p=p, proposal=prop,
@@ -500,7 +587,8 @@ def triton_engine_child() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
 def test_engine_with_the_triton_kernel_under_the_interpreter():
     """The engine verifies with the Triton kernel's launcher on CUDA (rows padded to the step's K,
-    non-verify rows as greedy dummies); under Triton's CPU interpreter it must give the same tokens."""
+    non-verify rows as greedy dummies); under Triton's CPU interpreter it must give the same tokens,
+    and greedy-only steps' greedy_verify must give what the kernel gives greedy rows."""
     proc = run_child("from tests.test_isd_engine import triton_engine_child; triton_engine_child()", interpret=True)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
     assert int(proc.stdout.strip().splitlines()[-1]) > 0

@@ -47,8 +47,10 @@ Events (per request, in ``req.events``):
   and its preemptions. For a resumed request ``forwards`` continues from ``next_step`` and
   ``generated`` counts the committed tokens too; the draft counters cover this engine only.
 
-The device step (``isd_runner.py``) has fixed shapes per (rows, pages, Q, K) bucket;
-``cuda_graphs=True`` replays it through ``isd_graphs.py``.
+The device step (``isd_runner.py``) has fixed shapes per (rows, pages, Q, K) bucket and two
+host-known flags: some sampled row uses top-k / top-p, and some row samples at all (a
+greedy-only step is argmaxes only: no draws, no q writes, no verify kernel);
+``cuda_graphs=True`` replays it through ``isd_graphs.py``, one graph per bucket and flags.
 
 Stops: the model's EOS ids plus the request's ``stop_ids``; the stop token is kept (as the
 reference keeps EOS) and tokens after it in the same step are dropped.
@@ -483,8 +485,10 @@ class IsdEngine(StepLoop):
         inp = IsdInputs(*(torch.from_numpy(t).to(dev, non_blocking=True) for t in (
             tokens, positions, gate, write_idx, pages, read_start, slot, win_pos, clean_j, mask_j0, verify_row,
             drafts, greedy, temperature, top_k, top_p, seed, fwd_index, proposal)))
-        filtered = any(r.kind != PREFILL and (r.req.options.top_k > 0 or r.req.options.top_p < 1) for r in rows)
-        packed = self._device_step(inp, 2 * k + 1, filtered)
+        # host-known flags (graph bucket): work only sampled rows need; greedy rows never filter
+        sampled = [r.req.options for r in rows if r.kind != PREFILL and not r.req.options.greedy]
+        filtered = any(o.top_k > 0 or o.top_p < 1 for o in sampled)
+        packed = self._device_step(inp, 2 * k + 1, filtered, bool(sampled))
         self.forwards += 1
         return packed[:n].cpu(), k    # the step's one device-to-host copy
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from cde.steerling import kernels
 from cde.steerling.model import SteeringInputs, SteerlingModel
-from cde.steerling.sampling import counter_uniform, draw, entropy_temperature, top_p_filter
+from cde.steerling.sampling import draw, entropy_temperature, top_p_filter
 from worker_svc.engine.kv_cache import KVCache
 
 BLOCK = 64
@@ -158,7 +158,7 @@ class StepRunner:
         # the chosen positions' adjusted logits, recomputed (elementwise: the same bits)
         adj_sel = kernels.adjust_logits(lg[rows, idx], relu, seen, s.rep, self.banned_mask).reshape(r * kmax, v)
         pos_sel = positions.gather(1, idx)
-        u = counter_uniform(s.seed[:, None].expand(r, kmax).reshape(-1), pos_sel.reshape(-1),
+        u = self.kernels.counter_uniform(s.seed[:, None].expand(r, kmax).reshape(-1), pos_sel.reshape(-1),
                             s.step[:, None].expand(r, kmax).reshape(-1))
         greedy = s.greedy[:, None].expand(r, kmax).reshape(-1)
         entropy = s.entropy[:, None].expand(r, kmax).reshape(-1)
