@@ -6,10 +6,17 @@
 idlm-8b uses random bf16 weights on the GPU (regional compile + CUDA graphs by default). The floor (worker_svc.floor, the method of
 shared/perf/gpu_floor.py) is measured in the same run with the preset's sizes for a
 2N-1-query window (7 queries at N = 4) and for 1 query (AR). Each run submits C requests at
-once (prompt 128 random tokens, `--new-tokens` each, greedy) and steps the engine until all
-finish; ms/forward = wall time / engine steps (decode steps; the prefill is timed apart).
+once (prompt 128 random tokens, `--new-tokens` each, greedy unless `--temperature`) and steps
+the engine until all finish; ms/forward = wall time / engine steps (decode steps; the prefill is timed apart).
 Random weights make the acceptance meaningless (reported anyway); the forward latency is the
 figure that counts. The verify kernel is timed alone on the step's shapes (CUDA events).
+
+Where a decode step's time goes (per run, `StepClock`): `host_ms_per_step` is the host time from
+`step()` until the device step is launched (scheduling and input building), `apply_ms_per_step`
+the host time applying its results; `gpu_ms_per_forward` is the device step's GPU busy time
+(CUDA events, bench.py's GpuTimer) and `gpu_idle_frac` = 1 - busy / wall. `--profile 1,32`
+runs warm decode steps eagerly (no CUDA graphs) under torch.profiler at those concurrencies and
+records the top kernels (on the CPU: operators, self time) with calls per step.
 Writes one JSON after every run (fields of shared/perf/ANCHORS.md).
 """
 
@@ -23,7 +30,7 @@ import torch
 
 from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
-from worker_svc.bench import fill_random, json_writer, run_record
+from worker_svc.bench import GpuTimer, fill_random, json_writer, run_record
 from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
 
 
@@ -38,22 +45,76 @@ def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> Qw
     return model.eval()
 
 
-def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_tokens: int, stride: int,
-             seed: int) -> dict:
+class StepClock:
+    """Splits the engine's steps into host time before the launch, GPU busy time of the device
+    step (CUDA events) and host time applying the results, by wrapping the engine's `step`,
+    `_device_step` and `_apply`. `reset()` before a measured stretch, `report()` after it."""
+
+    def __init__(self, engine: IsdEngine, cuda: bool):
+        self.gpu = GpuTimer(cuda)
+        self.reset()
+        step, device_step, apply = engine.step, self.gpu.wrap(engine._device_step), engine._apply
+        started = [0.0]
+
+        def timed_step() -> None:
+            started[0] = time.perf_counter()
+            step()
+
+        def timed_device_step(*args):
+            self.host_s += time.perf_counter() - started[0]
+            self.launches += 1
+            return device_step(*args)
+
+        def timed_apply(*args) -> None:
+            t = time.perf_counter()
+            apply(*args)
+            self.apply_s += time.perf_counter() - t
+
+        engine.step, engine._device_step, engine._apply = timed_step, timed_device_step, timed_apply
+
+    def reset(self) -> None:
+        self.gpu.pairs.clear()
+        self.host_s = self.apply_s = 0.0
+        self.launches = 0
+
+    def report(self, wall: float) -> dict:
+        busy = self.gpu.busy_s() if self.gpu.enabled else None
+        n = max(self.launches, 1)
+        return {"host_ms_per_step": self.host_s / n * 1e3, "apply_ms_per_step": self.apply_s / n * 1e3,
+                "gpu_ms_per_forward": busy / n * 1e3 if busy is not None else None,
+                "gpu_idle_frac": max(0.0, 1 - busy / wall) if busy is not None else None}
+
+
+def submit_requests(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_tokens: int, stride: int,
+                    temperature: float, seed: int, tag: str = "isd") -> list:
     gen = torch.Generator().manual_seed(seed)
     vocab = min(cfg.vocab_size, 150_000)
-    handles = []
-    for i in range(concurrency):
-        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-        handles.append(engine.submit(f"isd-{seed}-{i}", prompt, IsdOptions(new_tokens, stride=stride, seed=i)))
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    # prefill (and the first token) apart: the figure is the steady decode forward
-    t0 = time.perf_counter()
+    opts = [IsdOptions(new_tokens, stride=stride, temperature=temperature, seed=i) for i in range(concurrency)]
+    return [engine.submit(f"{tag}-{seed}-{i}", torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), o)
+            for i, o in enumerate(opts)]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def prefill(engine: IsdEngine, handles: list) -> None:
+    """Step until every request has its first token: the prompt chunks are not decode steps."""
     while any(not h.out for h in handles) and engine.has_work():
         engine.step()
     sync()
+
+
+def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_tokens: int, stride: int,
+             seed: int, clock: StepClock, temperature: float = 0.0) -> dict:
+    handles = submit_requests(engine, cfg, concurrency, prompt_len, new_tokens, stride, temperature, seed)
+    # prefill (and the first token) apart: the figure is the steady decode forward
+    t0 = time.perf_counter()
+    prefill(engine, handles)
     prefill_s = time.perf_counter() - t0
     s0, c0, tokens0 = engine.steps, engine.compiles, sum(len(h.out) for h in handles)
+    clock.reset()
     t = time.perf_counter()
     while engine.has_work():
         engine.step()
@@ -64,14 +125,63 @@ def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_toke
     generated = sum(f.completion_tokens for f in fins) - tokens0
     proposed = sum(f.stats.proposed for f in fins)
     accepted = sum(f.stats.accepted for f in fins)
-    return {"concurrency": concurrency, "stride": stride, "attribution": False, "steering": False,
-            "prompt_tokens": prompt_len, "new_tokens": new_tokens, "decode_steps": steps,
-            "ms_per_forward": wall / max(steps, 1) * 1e3, "tok_per_s": generated / wall if wall else None,
+    return {"concurrency": concurrency, "stride": stride, "temperature": temperature, "attribution": False,
+            "steering": False, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "decode_steps": steps,
+            "ms_per_forward": wall / max(steps, 1) * 1e3, **clock.report(wall),
+            "tok_per_s": generated / wall if wall else None,
             "tokens_per_forward_per_request": generated / max(steps, 1) / concurrency,
             "acceptance": accepted / proposed if proposed else None, "prefill_s": prefill_s,
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
             "pages_total": engine.kv.pool.usable, "recompiles": engine.compiles - c0,
             "graphs": engine._graphs.captures if engine._graphs is not None else 0}
+
+
+def op_table(prof, steps: int, cuda: bool, top: int = 40) -> dict:
+    """Profiler events by name, per step: GPU kernels (device time) on CUDA, else CPU operators
+    (self time, so nested operators are not counted twice)."""
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == kind:
+            us = ev.device_time_total if cuda else ev.self_cpu_time_total
+            by_name.setdefault(ev.name, []).append(us / 1e3)
+    rows = sorted(((sum(v) / steps, len(v) / steps, k) for k, v in by_name.items()), reverse=True)
+    return {"unit": "gpu kernel" if cuda else "cpu operator (self time)",
+            "kernel_ms_per_step": sum(r[0] for r in rows), "kernels_per_step": sum(r[1] for r in rows),
+            "top": [{"ms_per_step": round(ms, 4), "calls_per_step": n, "kernel": k[:160]} for ms, n, k in rows[:top]]}
+
+
+def profile_steps(engine: IsdEngine, cfg, concurrency: int, stride: int, prompt_len: int, new_tokens: int,
+                  temperature: float = 0.0, steps: int = 1, warm: int = 2) -> dict:
+    """Warm decode steps of C requests run eagerly (no CUDA graphs, so every kernel shows) under
+    torch.profiler: kernels by time with calls per step, and the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    replay = engine._device_step
+    engine._device_step = engine.runner.step
+    handles = submit_requests(engine, cfg, concurrency, prompt_len, new_tokens, stride, temperature, 4242, "prof")
+    try:
+        prefill(engine, handles)
+        for _ in range(warm):
+            engine.step()
+        sync()
+        rows = len(engine.running)
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            sync()
+            wall = (time.perf_counter() - t) / steps
+    finally:
+        engine._device_step = replay
+        for h in handles:
+            engine.cancel(h.request_id)
+        engine.run_until_idle()
+        for h in handles:
+            list(engine.drain(h))
+    return {"concurrency": concurrency, "stride": stride, "temperature": temperature, "running_requests": rows,
+            "steps": steps, "step_wall_ms": wall * 1e3, **op_table(prof, steps, cuda)}
 
 
 def time_verify(cfg, rows: int, stride: int, iters: int = 50) -> float | None:
@@ -113,6 +223,9 @@ def main() -> None:
     ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="eager layers (default on GPU: regional compile)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy requests (the greedy-only step)")
+    ap.add_argument("--profile", default="", help="concurrencies whose warm decode steps are profiled (e.g. 1,32)")
+    ap.add_argument("--profile-steps", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -138,11 +251,12 @@ def main() -> None:
     engine = IsdEngine(model, max_slots=max(concs + [4]), n_pages=args.max_pages, max_stride=max(strides + [1]),
                        cuda_graphs=cuda and not args.no_cuda_graphs, compile=cuda and not args.no_compile)
     result["compiled"], result["cuda_graphs"] = cuda and not args.no_compile, cuda and not args.no_cuda_graphs
+    clock = StepClock(engine, cuda)
     print(f"model + engine ready in {time.perf_counter() - t:.0f} s; pages {engine.kv.pool.usable}", flush=True)
     t = time.perf_counter()
     for c in concs:   # warm-up at full length: every shape (page buckets included) the measured runs use
         for n in strides:
-            run_once(engine, cfg, c, args.prompt_tokens, args.new_tokens, n, 999)
+            run_once(engine, cfg, c, args.prompt_tokens, args.new_tokens, n, 999, clock, args.temperature)
     result["warmup_s"] = time.perf_counter() - t
     result["compiles_after_warmup"] = engine.compiles
     print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}", flush=True)
@@ -150,7 +264,7 @@ def main() -> None:
         for n in strides:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            r = run_once(engine, cfg, c, args.prompt_tokens, args.new_tokens, n, i + 1)
+            r = run_once(engine, cfg, c, args.prompt_tokens, args.new_tokens, n, i + 1, clock, args.temperature)
             floor = (result["floor"] or {}).get(f"{2 * n - 1}_query", {}).get(str(c))
             if floor:
                 r["floor_ms_per_forward"] = floor
@@ -159,12 +273,29 @@ def main() -> None:
             save()
             print(f"C={c:3d} N={n}: {r['ms_per_forward']:7.2f} ms/fwd (floor {floor or 0:6.2f}, ratio "
                   f"{r.get('ratio_to_floor', 0):5.2f})  {r['tok_per_s'] or 0:8.1f} tok/s  tokens/fwd/req "
-                  f"{r['tokens_per_forward_per_request']:.2f}  acceptance {r['acceptance']}", flush=True)
+                  f"{r['tokens_per_forward_per_request']:.2f}  acceptance {r['acceptance']}  host "
+                  f"{r['host_ms_per_step']:.2f} + {r['apply_ms_per_step']:.2f} ms/step"
+                  + (f"  gpu {r['gpu_ms_per_forward']:.2f} ms  idle {r['gpu_idle_frac']:.3f}"
+                     if r["gpu_ms_per_forward"] is not None else ""), flush=True)
         if cuda:
             for n in strides:
                 if n > 1:
                     result["verify_ms"][f"C{c}_N{n}"] = time_verify(cfg, c, n)
             save()
+    if args.profile:
+        result["profile"] = []
+        for c in (int(x) for x in args.profile.split(",") if x):
+            for n in strides:
+                prof = profile_steps(engine, cfg, c, n, args.prompt_tokens, args.new_tokens, args.temperature,
+                                     args.profile_steps)
+                result["profile"].append(prof)
+                save()
+                print(f"profile C={c} N={n}: step {prof['step_wall_ms']:.2f} ms wall (no graphs), "
+                      f"{prof['unit']}: {prof['kernel_ms_per_step']:.2f} ms in {prof['kernels_per_step']:.0f} calls",
+                      flush=True)
+                for row in prof["top"][:25]:
+                    print(f"   {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.1f}  {row['kernel'][:110]}",
+                          flush=True)
     by = {(r["concurrency"], r["stride"]): r["ms_per_forward"] for r in result["runs"]}
     result["isd_over_ar_forward"] = {str(c): by[(c, n)] / by[(c, 1)] for c in concs for n in strides
                                      if n > 1 and (c, 1) in by and (c, n) in by}
