@@ -83,16 +83,8 @@ def random_lora(model: Qwen3Model, seed: int, scale: float, rank: int = 4) -> Qw
 Args = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def verify_cases() -> dict[str, Args]:
-    """Fixed inputs (p_logits, q_logits, drafts, T, u_accept, u_resid, greedy), V = 37."""
-    g = torch.Generator().manual_seed(1234)
-    r, k, v = 96, 4, 37
-
-    def uniforms() -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.rand(r, k, generator=g, dtype=torch.float64), torch.rand(r, k, generator=g, dtype=torch.float64))
-
-    cases: dict[str, Args] = {}
-    # Realistic: q close to p, drafts drawn from q, temperatures around 1, a fifth greedy.
+def realistic_case(g: torch.Generator, r: int, k: int, v: int) -> Args:
+    """q close to p, drafts drawn from q, temperatures around 1, a fifth greedy (drafts mostly argmax)."""
     p = torch.randn(r, k, v, generator=g) * 2.5
     t = torch.rand(r, generator=g) * 1.2 + 0.4
     q = (p + torch.randn(r, k, v, generator=g)) / t[:, None, None]  # stored scaled once
@@ -100,7 +92,21 @@ def verify_cases() -> dict[str, Args]:
     greedy = torch.rand(r, generator=g) < 0.2
     drafts[greedy] = torch.where(torch.rand(int(greedy.sum()), k, generator=g) < 0.7,
                                  p[greedy].argmax(-1), drafts[greedy])
-    cases["random"] = (p, q, drafts, t, *uniforms(), greedy)
+    return (p, q, drafts, t, torch.rand(r, k, generator=g, dtype=torch.float64),
+            torch.rand(r, k, generator=g, dtype=torch.float64), greedy)
+
+
+def verify_cases() -> dict[str, Args]:
+    """Fixed inputs (p_logits, q_logits, drafts, T, u_accept, u_resid, greedy), V = 37 (and one
+    realistic case with V = 1000, many vocabulary tiles and splits in the Triton kernels)."""
+    g = torch.Generator().manual_seed(1234)
+    r, k, v = 96, 4, 37
+
+    def uniforms() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.rand(r, k, generator=g, dtype=torch.float64), torch.rand(r, k, generator=g, dtype=torch.float64))
+
+    cases: dict[str, Args] = {}
+    cases["random"] = realistic_case(g, r, k, v)
     # p == q exactly (q stored as p * (1/T), the kernel's own scaling): everything accepted.
     p = torch.randn(r, k, v, generator=g) * 2.0
     t = torch.rand(r, generator=g) + 0.5
@@ -129,6 +135,7 @@ def verify_cases() -> dict[str, Args]:
     drafts = torch.where(torch.rand(r, k, generator=g) < 0.6, 3, 20) * torch.ones(r, k, dtype=torch.long)
     cases["greedy_ties"] = (p, torch.randn(r, k, v, generator=g), drafts, torch.zeros(r), *uniforms(),
                             torch.ones(r, dtype=torch.bool))
+    cases["random_v1000"] = realistic_case(g, 16, 3, 1000)
     return cases
 
 
@@ -174,7 +181,7 @@ def check_case_semantics(name: str, args: Args, result: tuple[torch.Tensor, torc
     n_acc, corr = result
     r, k = drafts.shape
     assert ((n_acc == k) == (corr == -1)).all(), f"{name}: correction -1 iff every draft accepted"
-    if name == "random":
+    if name.startswith("random"):
         assert 0 < int((n_acc == k).sum()) < r and int((n_acc == 0).sum()) > 0, f"{name}: paths not exercised"
     if name == "p_equals_q":
         assert (n_acc == k).all(), f"{name}: p == q must accept every draft"
@@ -195,7 +202,8 @@ def check_case_semantics(name: str, args: Args, result: tuple[torch.Tensor, torc
         assert ((corr == 3) | (corr == -1)).all(), f"{name}: greedy correction must be the first argmax"
 
 
-@pytest.mark.parametrize("name", ["random", "p_equals_q", "first_rejected", "filtered_p", "greedy_ties"])
+@pytest.mark.parametrize("name", ["random", "p_equals_q", "first_rejected", "filtered_p", "greedy_ties",
+                                  "random_v1000"])
 def test_verify_torch_matches_float64_reference(name):
     args = verify_cases()[name]
     got = verify_torch(*args)
@@ -216,24 +224,30 @@ def test_verify_rejects_bad_inputs():
 
 
 TRITON_ROWS = 32
+# (block, split_tiles) per vocabulary size: V = 37 is 3 tiles of 16 (the last one partial) in 3
+# splits (ties across splits in greedy_ties), or one tile of 64 with masked lanes (and for the
+# "random" case also 3 tiles in one split); V = 1000 is 8 tiles of 128 in 8 splits or 4 splits of
+# 4 tiles of 64 (the last tile and split partial)
+KERNEL_CONFIGS = {37: ((16, 1), (64, 1)), 1000: ((128, 1), (64, 4))}
 
 
 def triton_child() -> None:
     """Runs in a child process with TRITON_INTERPRET=1 (see test_verify_triton_interpreter)."""
     from cde.isd.verify import verify_triton
+    from cde.isd.verify_kernel import launch
 
     report = {}
     for name, args in verify_cases().items():
         args = tuple(a[:TRITON_ROWS] for a in args)  # the interpreter runs programs one by one
         want = verify_reference(*args)
         ref32 = verify_torch(*args)
-        # V = 37: three tiles (the last one partial); one tile with masked lanes.
-        for block in ((16, 64) if name in ("random", "filtered_p") else (16,)):
-            got = verify_triton(*args, block=block)
+        for block, split in KERNEL_CONFIGS[args[0].shape[-1]] + (((16, 4),) if name == "random" else ()):
+            got = launch(*args, block=block, split_tiles=split)
+            tag = f"{name}/{block}x{split}"
             check_case_semantics(name, args, got)
-            assert_same_decisions(f"{name}/block{block} vs reference", got, want, args)
-            assert_same_decisions(f"{name}/block{block} vs torch", got, ref32, args)
-            report[f"{name}/{block}"] = int((got[0] == args[2].shape[1]).sum())
+            assert_same_decisions(f"{tag} vs reference", got, want, args)
+            assert_same_decisions(f"{tag} vs torch", got, ref32, args)
+            report[tag] = int((got[0] == args[2].shape[1]).sum())
     # Inside the decoder: identical tokens with the kernel or the torch rule (fixed seeds).
     model = lag_model(5, lag=3, vocab=32, beta=1.5)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]] * 4
@@ -256,11 +270,12 @@ def run_child(code: str, interpret: bool) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
 def test_verify_triton_interpreter():
-    """The kernel under Triton's CPU interpreter equals the torch rule and the float64 reference."""
+    """The kernels under Triton's CPU interpreter equal the torch rule and the float64 reference, with
+    the vocabulary in one split or several, tiles partial or not."""
     proc = run_child("from tests.test_isd import triton_child; triton_child()", interpret=True)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["p_equals_q/16"] == TRITON_ROWS and report["first_rejected/16"] == 0, report
+    assert report["p_equals_q/16x1"] == TRITON_ROWS and report["first_rejected/16x1"] == 0, report
     assert 0 < report["decoder_acceptance"] < 1, report
 
 
@@ -268,20 +283,24 @@ def test_verify_triton_interpreter():
 def test_verify_kernel_compiles_for_sm90():
     """Compile (no GPU needed) for sm_90: the compiled dialect is stricter than the interpreter."""
     code = """
+import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cde.isd.verify_kernel import _isd_verify_kernel
-sig = {"p_ptr": "*bf16", "q_ptr": "*fp32", "drafts_ptr": "*i32", "inv_t_ptr": "*fp32", "ua_ptr": "*fp32",
-       "ur_ptr": "*fp32", "greedy_ptr": "*i32", "n_acc_ptr": "*i32", "corr_ptr": "*i32", "K": "i32", "V": "i32",
-       "BLOCK": "constexpr"}
-k = triton.compile(ASTSource(triton.jit(_isd_verify_kernel), sig, constexprs={"BLOCK": 1024}),
-                   target=GPUTarget("cuda", 90, 32))
-print(sorted(k.asm))
+from cde.isd.verify_kernel import KERNELS, kernel
+ints = {"drafts_ptr", "greedy_ptr", "best_ptr", "n_acc_ptr", "corr_ptr", "rej_ptr", "rlast_ptr"}
+consts = {"BLOCK": 1024, "S_POW2": 64}
+for name, fn in KERNELS.items():
+    params = list(inspect.signature(fn).parameters)
+    sig = {a: "constexpr" if a in consts else "*bf16" if a == "p_ptr" else "*i32" if a in ints
+           else "*fp32" if a.endswith("_ptr") else "i32" for a in params}
+    k = triton.compile(ASTSource(kernel(name), sig, constexprs={c: consts[c] for c in consts if c in params}),
+                       target=GPUTarget("cuda", 90, 32))
+    print(name, sorted(k.asm))
 """
     proc = run_child(code, interpret=False)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    assert "cubin" in proc.stdout and "ptx" in proc.stdout
+    assert proc.stdout.count("cubin") == 4 and proc.stdout.count("ptx") == 4, proc.stdout
 
 
 @pytest.mark.gpu

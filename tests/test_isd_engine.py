@@ -563,13 +563,13 @@ def triton_engine_child() -> None:
     torch.set_num_threads(1)
     seed = fresh_seed()
     # greedy_verify (the greedy-only step's verify) gives what the kernel gives greedy rows; V = 37
-    # in tiles of 16, ties within and across tiles
+    # in 3 splits of one tile of 16, ties within and across tiles and splits
     g = torch.Generator().manual_seed(seed)
     for k, dtype in ((1, torch.float32), (3, torch.float64), (7, torch.bfloat16)):
         logits, inp = greedy_step_inputs(g, 8, k, 37, 2, dtype)
         p, r = logits[:, :k], logits.shape[0]
         got = launch(p, torch.randn(p.shape, generator=g), inp.drafts, torch.zeros(r), torch.rand(r, k, generator=g),
-                     torch.rand(r, k, generator=g), torch.ones(r, dtype=torch.bool), block=16)
+                     torch.rand(r, k, generator=g), torch.ones(r, dtype=torch.bool), block=16, split_tiles=1)
         want = greedy_verify(p, inp.drafts)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed={seed} K={k}: kernel {got} != {want}"
     model = stopping_lag_model(seed)
@@ -578,7 +578,8 @@ def triton_engine_child() -> None:
                                              seed=rng.randrange(1 << 40)))
             for c, (n, t, k, p, prop) in enumerate(SAMPLED)
             for i, prompt in enumerate(prompts_for(model, rng, (3, 65)))]
-    engine = IsdEngine(model, n_pages=64, verify_fn=lambda *a: launch(*a, block=16))  # the CUDA path's verify
+    # the CUDA path's verify, V = 64 in 4 vocabulary splits
+    engine = IsdEngine(model, n_pages=64, verify_fn=lambda *a: launch(*a, block=16, split_tiles=1))
     fins = check_all(model, run_in_waves(engine, jobs), jobs, f"seed={seed} triton-interpreter")
     print(sum(f.stats.proposed for f in fins.values()))
 
