@@ -3,8 +3,8 @@
     python -m worker_svc.bench_isd --preset idlm-8b --out bench/results/isd-idlm-8b-h200.json
     python -m worker_svc.bench_isd --preset tiny --concurrency 1,4 --new-tokens 32   # CPU smoke run
 
-idlm-8b uses random bf16 weights on the GPU (regional compile + CUDA graphs by default). The floor (worker_svc.floor, the method of
-shared/perf/gpu_floor.py) is measured in the same run with the preset's sizes for a
+idlm-8b uses random bf16 weights on the GPU (regional compile + CUDA graphs by default). The
+floor (worker_svc.floor, the method of shared/perf/gpu_floor.py) is measured in the same run with the preset's sizes for a
 2N-1-query window (7 queries at N = 4) and for 1 query (AR). Each run submits C requests at
 once (prompt 128 random tokens, `--new-tokens` each, greedy unless `--temperature`) and steps
 the engine until all finish; ms/forward = wall time / engine steps (decode steps; the prefill is timed apart).
