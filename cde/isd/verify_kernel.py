@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+
 def _stats_kernel(p_ptr, q_ptr, inv_t_ptr, stats_ptr, best_ptr, K, V, S, SPLIT_TILES, BLOCK: tl.constexpr):
     rk = tl.program_id(0)     # row * K + draft
     split = tl.program_id(1)
