@@ -30,8 +30,8 @@ soft q (what the released I-DLM code does) are *not* exact at T > 0.
 
 Three implementations, one contract:
 ``verify_reference`` (float64, plain loops: the oracle), ``verify_torch`` (batched, float32,
-the formulas the kernel uses) and ``verify_triton`` (one Triton program per row; see
-``cde/isd/verify_kernel.py``).
+the formulas the kernel uses) and ``verify_triton`` (Triton programs per (row, vocabulary
+split); see ``cde/isd/verify_kernel.py``).
 """
 
 from __future__ import annotations
@@ -161,13 +161,13 @@ def verify_torch(p_logits: Tensor, q_logits: Tensor, drafts: Tensor, temperature
 
 def verify_triton(p_logits: Tensor, q_logits: Tensor, drafts: Tensor, temperature: Tensor, u_accept: Tensor,
                   u_resid: Tensor, greedy: Tensor, block: int = 1024) -> tuple[Tensor, Tensor]:
-    """``verify_torch`` as one Triton program per row (``cde/isd/verify_kernel.py``).
-
-    Streams the vocabulary in tiles of ``block``: one pass computes the online softmax of
-    p and q together (running max and sum-exp) plus argmax p; an accepted draft costs only
-    that pass. On rejection two more passes compute the residual's normalizer and its
-    inverse-CDF pick. On CPU it runs under Triton's interpreter: set ``TRITON_INTERPRET=1``
-    before the first call (Triton reads it when the kernel is jitted).
+    """``verify_torch`` in Triton (``cde/isd/verify_kernel.py``): the vocabulary is cut into
+    splits and each pass runs one program per (row, draft, split), then a small per-row
+    combine. One pass computes the online softmax of p and q together (running max and
+    sum-exp) plus argmax p; an accepted draft costs only that pass. On rejection two more
+    passes compute the residual's normalizer and its inverse-CDF pick. On CPU it runs under
+    Triton's interpreter: set ``TRITON_INTERPRET=1`` before the first call (Triton reads it
+    when the kernel is jitted).
     """
     from cde.isd.verify_kernel import launch
 
