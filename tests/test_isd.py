@@ -303,6 +303,24 @@ for name, fn in KERNELS.items():
     assert proc.stdout.count("cubin") == 4 and proc.stdout.count("ptx") == 4, proc.stdout
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
+def test_jitted_kernels_see_their_constexpr_parameters():
+    """The launcher's jitted kernels (not the plain functions the sm_90 test compiles with an explicit
+    signature) must mark the parameters annotated `tl.constexpr` as such: `tl.arange(0, BLOCK)`
+    does not compile otherwise. A copy that dropped the annotations failed on the H200 only."""
+    code = """
+import inspect
+from cde.isd.verify_kernel import KERNELS, kernel
+for name, fn in KERNELS.items():
+    annotated = {n for n, p in inspect.signature(fn).parameters.items() if "constexpr" in str(p.annotation)}
+    marked = {p.name for p in kernel(name).params if p.is_constexpr}
+    assert annotated and marked == annotated, (name, annotated, marked)
+print("ok")
+"""
+    proc = run_child(code, interpret=False)
+    assert proc.returncode == 0 and "ok" in proc.stdout, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and CUDA")
 def test_verify_triton_cuda():

@@ -227,9 +227,14 @@ _JITTED: dict[bool, dict[str, object]] = {}
 
 
 def _with_globals(fn, **names):
-    """A copy of fn that sees `names` as globals (the helper jitted for the same mode)."""
-    return types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__,
+    """A copy of fn that sees `names` as globals (the helper jitted for the same mode). The
+    annotations travel too: Triton finds `tl.constexpr` parameters there (a copy without them
+    runs under the interpreter but does not compile)."""
+    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__,
                               fn.__closure__)
+    copy.__annotations__ = dict(fn.__annotations__)
+    copy.__qualname__, copy.__module__ = fn.__qualname__, fn.__module__
+    return copy
 
 
 def kernel(name: str):
