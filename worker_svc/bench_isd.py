@@ -259,7 +259,9 @@ def main() -> None:
             run_once(engine, cfg, c, args.prompt_tokens, args.new_tokens, n, 999, clock, args.temperature)
     result["warmup_s"] = time.perf_counter() - t
     result["compiles_after_warmup"] = engine.compiles
-    print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}", flush=True)
+    # decode windows through the Triton paged attention (worker_svc/engine/paged_attention.py)?
+    result["paged_attention"] = engine.runner.use_paged_attention and engine.runner.paged_calls > 0
+    print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}, paged attention {result['paged_attention']}", flush=True)
     for i, c in enumerate(concs):
         for n in strides:
             if cuda:

@@ -34,6 +34,7 @@ results come back packed as one int64 tensor: one device-to-host copy per step.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from cde.isd.decoder import STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREAM
 from cde.isd.verify import onehot_logits, verify_torch
 from cde.qwen3.model import Qwen3Model
 from cde.steerling.sampling import counter_uniform
+from worker_svc.engine import paged_attention
 from worker_svc.engine.kv_cache import KVCache
 
 PAGE = 64
@@ -161,6 +163,9 @@ class IsdRunner:
         # stored draft logits, already temperature-scaled (float32 as the reference's q_buf); slot 0 is scratch
         self.q_table = torch.zeros(n_slots, max_drafts, self.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.verify_fn = verify_fn or default_verify(dev)
+        # Triton attention over the pages for decode windows (CUDA, bf16/fp16); else gather + SDPA
+        self.use_paged_attention = True
+        self.paged_calls = 0
 
     # ---- 1. forward ---------------------------------------------------------------------
     def forward(self, inp: IsdInputs, window: int) -> Tensor:
@@ -179,14 +184,26 @@ class IsdRunner:
         masks: dict[torch.dtype, Tensor] = {}
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = kv.k[layer], kv.v[layer]                                          # (pages, 64, KV, hd)
+            kc.view(-1, hd).index_copy_(0, widx, k.transpose(1, 2).reshape(-1, hd).to(kc.dtype))
+            vc.view(-1, hd).index_copy_(0, widx, v.transpose(1, 2).reshape(-1, hd).to(vc.dtype))
+            if self.use_paged_attention and paged_attention.supported(q):
+                # decode windows on the GPU: read the pages in place (no gather, no mask)
+                try:
+                    out = paged_attention.paged_attention(q, kc, vc, inp.pages, inp.positions)
+                    self.paged_calls += 1
+                    return out
+                except Exception as exc:   # a Triton build this kernel does not compile on
+                    if self.paged_calls:
+                        raise
+                    self.use_paged_attention = False
+                    warnings.warn(f"paged attention kernel unavailable ({type(exc).__name__}: {exc}); "
+                                  "using gather + SDPA", stacklevel=2)
             # additive mask built once per step: a bool mask is converted by SDPA in every layer
             mask = masks.get(q.dtype)
             if mask is None:
                 mask = masks[q.dtype] = torch.zeros(visible.shape, dtype=q.dtype, device=dev).masked_fill_(
                     ~visible, float("-inf"))
-            kc, vc = kv.k[layer], kv.v[layer]                                          # (pages, 64, KV, hd)
-            kc.view(-1, hd).index_copy_(0, widx, k.transpose(1, 2).reshape(-1, hd).to(kc.dtype))
-            vc.view(-1, hd).index_copy_(0, widx, v.transpose(1, 2).reshape(-1, hd).to(vc.dtype))
             keys = kc.index_select(0, flat_pages).view(r, p * PAGE, n_kv, hd).transpose(1, 2)
             vals = vc.index_select(0, flat_pages).view(r, p * PAGE, n_kv, hd).transpose(1, 2)
             return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,

@@ -1,0 +1,147 @@
+"""The Triton paged attention (worker_svc/engine/paged_attention.py) against the runner's gather +
+SDPA path: under Triton's CPU interpreter (fp32, tight), compiled for sm_90 without a GPU, and on
+a GPU (bf16/fp16, and inside the ISD engine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_isd import run_child
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+PAGE = 64
+
+
+def make_case(seed: int, n_q: int, dtype=torch.float32, device="cpu", n_rows=3, n_h=8, n_kv=2, d=32, n_pages=16):
+    """Random pool, page tables (physical pages shuffled) and query windows at different offsets,
+    the way the ISD runner lays them out: row i's window starts at `start[i]`."""
+    g = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(n_pages, PAGE, n_kv, d, generator=g)
+    v_pool = torch.randn(n_pages, PAGE, n_kv, d, generator=g)
+    q = torch.randn(n_rows, n_h, n_q, d, generator=g)
+    starts = [int(x) for x in torch.randint(0, 3 * PAGE - n_q, (n_rows,), generator=g)]
+    starts[0] = 0                                      # a window at the very first position
+    perm = torch.randperm(n_pages - 1, generator=g) + 1
+    n_tab = 4
+    pages = perm[: n_rows * n_tab].view(n_rows, n_tab).clone()
+    for i, s in enumerate(starts):                     # entries past the last query: scratch page 0
+        pages[i, (s + n_q - 1) // PAGE + 1:] = 0
+    positions = torch.tensor(starts)[:, None] + torch.arange(n_q)[None, :]
+    to = lambda t: t.to(device=device, dtype=dtype)    # noqa: E731
+    return to(q), to(k_pool), to(v_pool), pages.to(device), positions.to(device)
+
+
+def reference(q, k_pool, v_pool, pages, positions):
+    """The runner's path: gather the pages, additive mask key position <= query position, SDPA."""
+    r, p = pages.shape
+    n_kv, d = k_pool.shape[2], k_pool.shape[3]
+    keys = k_pool.index_select(0, pages.reshape(-1)).view(r, p * PAGE, n_kv, d).transpose(1, 2)
+    vals = v_pool.index_select(0, pages.reshape(-1)).view(r, p * PAGE, n_kv, d).transpose(1, 2)
+    visible = torch.arange(p * PAGE, device=q.device)[None, None, :] <= positions[:, :, None]
+    mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))[:, None]
+    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+
+
+def interpreter_child() -> None:
+    from worker_svc.engine.paged_attention import paged_attention
+
+    worst = 0.0
+    for seed, n_q in ((1, 1), (2, 3), (3, 7), (4, 8)):
+        case = make_case(seed, n_q)
+        got, want = paged_attention(*case), reference(*case)
+        assert got.shape == want.shape
+        worst = max(worst, float((got - want).abs().max()))
+    print(json.dumps({"max_abs_err": worst}))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
+def test_paged_attention_equals_gather_and_sdpa_under_the_interpreter():
+    proc = run_child("from tests.test_paged_attention import interpreter_child; interpreter_child()", interpret=True)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["max_abs_err"] < 1e-5, report
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
+def test_paged_attention_compiles_for_sm90():
+    """Compile (no GPU needed) for sm_90 with bf16 pointers, through the jitted function's own
+    constexpr parameters: the compiled dialect is stricter than the interpreter."""
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from worker_svc.engine.paged_attention import _kernel
+jit = _kernel()
+consts = {"GROUP": 4, "M": 32, "D": 128, "PAGE": 64}
+assert {p.name for p in jit.params if p.is_constexpr} == set(consts), [p.name for p in jit.params if p.is_constexpr]
+ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "pages_ptr": "*i64", "qpos_ptr": "*i64"}
+sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "fp32" if p.name == "scale" else "i32")
+       for p in jit.params}
+k = triton.compile(ASTSource(jit, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+print(sorted(k.asm))
+"""
+    proc = run_child(code, interpret=False)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    assert "cubin" in proc.stdout, proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and CUDA")
+def test_paged_attention_on_the_gpu_matches_sdpa_in_half_precision():
+    from worker_svc.engine.paged_attention import paged_attention, supported
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for seed, n_q in ((11, 1), (12, 4), (13, 7), (14, 8)):
+            case = make_case(seed, n_q, dtype, "cuda", n_rows=5, n_h=32, n_kv=8, d=128, n_pages=32)
+            assert supported(case[0])
+            got = paged_attention(*case).float()
+            want = reference(*(c.float() if c.is_floating_point() else c for c in case))
+            err = float((got - want).abs().max())
+            assert err < 2e-2, (dtype, n_q, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and CUDA")
+def test_isd_engine_in_bf16_uses_the_paged_kernel_and_its_logits_track_the_sdpa_path():
+    """In the engine the kernel replaces gather + SDPA for decode windows: one forward's logits
+    with it and without it (same inputs, bf16) agree to bf16 rounding."""
+    from tests.test_isd_engine import tiny_model
+    from worker_svc.engine import isd_runner
+    from worker_svc.engine.isd_engine import IsdEngine, IsdOptions
+
+    model = tiny_model(5).to("cuda", torch.bfloat16)
+    engine = IsdEngine(model, max_slots=4, n_pages=64, max_stride=4)
+    handles = [engine.submit(f"r{i}", list(range(3 + 50 * i)), IsdOptions(24, stride=s))
+               for i, s in enumerate((1, 4, 2))]
+    while engine.has_work():
+        engine.step()
+    assert all(h.out for h in handles)
+    assert engine.runner.paged_calls > 0
+    # the same decode window through both paths
+    captured = {}
+    real_forward = isd_runner.IsdRunner.forward
+
+    def spy(self, inp, window):
+        captured["inp"], captured["window"] = inp, window
+        return real_forward(self, inp, window)
+
+    isd_runner.IsdRunner.forward = spy
+    try:
+        h = engine.submit("spy", list(range(70)), IsdOptions(3, stride=4))
+        while engine.has_work():
+            engine.step()
+        assert h.out
+    finally:
+        isd_runner.IsdRunner.forward = real_forward
+    inp, window = captured["inp"], captured["window"]
+    with_kernel = engine.runner.forward(inp, window).float()
+    engine.runner.use_paged_attention = False
+    without = engine.runner.forward(inp, window).float()
+    engine.runner.use_paged_attention = True
+    scale = float(without.abs().max())
+    assert float((with_kernel - without).abs().max()) < 0.05 * scale
