@@ -141,6 +141,13 @@ def _decide_kernel(p_ptr, q_ptr, drafts_ptr, inv_t_ptr, ua_ptr, greedy_ptr, stat
     tl.store(rej_ptr + row, rej)
 
 
+def _rejected_stats(inv_t_ptr, rej_stats_ptr, row):
+    """The row's 1/T and the rejected draft's softmax stats (max p, sum p, max q, sum q) that
+    _decide_kernel stored, for the residual passes."""
+    return (tl.load(inv_t_ptr + row), tl.load(rej_stats_ptr + row * 4), tl.load(rej_stats_ptr + row * 4 + 1),
+            tl.load(rej_stats_ptr + row * 4 + 2), tl.load(rej_stats_ptr + row * 4 + 3))
+
+
 def _resid_tile(p_ptr, q_ptr, base, idx, V, inv_t, max_p, sum_p, max_q, sum_q):
     """The residual max(0, p - q) and p at the ids idx (0 past V)."""
     neg_inf = float("-inf")
@@ -159,11 +166,7 @@ def _resid_kernel(p_ptr, q_ptr, inv_t_ptr, rej_ptr, rej_stats_ptr, rsum_ptr, rla
     i = tl.load(rej_ptr + row)
     if i >= 0:
         offs = tl.arange(0, BLOCK)
-        inv_t = tl.load(inv_t_ptr + row)
-        max_p = tl.load(rej_stats_ptr + row * 4)
-        sum_p = tl.load(rej_stats_ptr + row * 4 + 1)
-        max_q = tl.load(rej_stats_ptr + row * 4 + 2)
-        sum_q = tl.load(rej_stats_ptr + row * 4 + 3)
+        inv_t, max_p, sum_p, max_q, sum_q = _rejected_stats(inv_t_ptr, rej_stats_ptr, row)
         base = (row * K + i).to(tl.int64) * V
         lo = split * SPLIT_TILES * BLOCK
         zr = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
@@ -190,11 +193,7 @@ def _pick_kernel(p_ptr, q_ptr, inv_t_ptr, ur_ptr, rej_ptr, rej_stats_ptr, rsum_p
     i = tl.load(rej_ptr + row)
     if i >= 0:
         offs = tl.arange(0, BLOCK)
-        inv_t = tl.load(inv_t_ptr + row)
-        max_p = tl.load(rej_stats_ptr + row * 4)
-        sum_p = tl.load(rej_stats_ptr + row * 4 + 1)
-        max_q = tl.load(rej_stats_ptr + row * 4 + 2)
-        sum_q = tl.load(rej_stats_ptr + row * 4 + 3)
+        inv_t, max_p, sum_p, max_q, sum_q = _rejected_stats(inv_t_ptr, rej_stats_ptr, row)
         so = tl.arange(0, S_POW2)
         sm = so < S
         parts = (row.to(tl.int64) * S + so) * 2
@@ -226,8 +225,11 @@ KERNELS = {"stats": _stats_kernel, "decide": _decide_kernel, "resid": _resid_ker
 _JITTED: dict[bool, dict[str, object]] = {}
 
 
+HELPERS = {"_rejected_stats": _rejected_stats, "_resid_tile": _resid_tile}   # called from the kernels
+
+
 def _with_globals(fn, **names):
-    """A copy of fn that sees `names` as globals (the helper jitted for the same mode). The
+    """A copy of fn that sees `names` as globals (the helpers jitted for the same mode). The
     annotations travel too: Triton finds `tl.constexpr` parameters there (a copy without them
     runs under the interpreter but does not compile)."""
     copy = types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__,
@@ -239,11 +241,11 @@ def _with_globals(fn, **names):
 
 def kernel(name: str):
     """The jitted kernel `name` for the current mode (compiled, or interpreted under TRITON_INTERPRET=1);
-    the kernels call ``_resid_tile`` jitted for the same mode."""
+    the kernels call the HELPERS jitted for the same mode."""
     mode = bool(triton.knobs.runtime.interpret)
     if mode not in _JITTED:
-        helper = triton.jit(_resid_tile)
-        _JITTED[mode] = {n: triton.jit(_with_globals(fn, _resid_tile=helper)) for n, fn in KERNELS.items()}
+        helpers = {n: triton.jit(fn) for n, fn in HELPERS.items()}
+        _JITTED[mode] = {n: triton.jit(_with_globals(fn, **helpers)) for n, fn in KERNELS.items()}
     return _JITTED[mode][name]
 
 
