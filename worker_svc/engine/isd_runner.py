@@ -47,7 +47,7 @@ from cde.isd.verify import onehot_logits, verify_torch
 from cde.qwen3.model import Qwen3Model
 from cde.steerling.sampling import counter_uniform
 from worker_svc.engine import paged_attention
-from worker_svc.engine.kv_cache import KVCache
+from worker_svc.engine.kv_cache import KVCache, additive_mask
 
 PAGE = 64
 
@@ -199,11 +199,9 @@ class IsdRunner:
                     self.use_paged_attention = False
                     warnings.warn(f"paged attention kernel unavailable ({type(exc).__name__}: {exc}); "
                                   "using gather + SDPA", stacklevel=2)
-            # additive mask built once per step: a bool mask is converted by SDPA in every layer
             mask = masks.get(q.dtype)
             if mask is None:
-                mask = masks[q.dtype] = torch.zeros(visible.shape, dtype=q.dtype, device=dev).masked_fill_(
-                    ~visible, float("-inf"))
+                mask = masks[q.dtype] = additive_mask(visible, q.dtype)
             keys = kc.index_select(0, flat_pages).view(r, p * PAGE, n_kv, hd).transpose(1, 2)
             vals = vc.index_select(0, flat_pages).view(r, p * PAGE, n_kv, hd).transpose(1, 2)
             return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,

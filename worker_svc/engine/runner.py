@@ -25,7 +25,7 @@ from torch import Tensor
 from cde.steerling import kernels
 from cde.steerling.model import SteeringInputs, SteerlingModel
 from cde.steerling.sampling import draw, entropy_temperature, top_p_filter
-from worker_svc.engine.kv_cache import KVCache
+from worker_svc.engine.kv_cache import KVCache, additive_mask
 
 BLOCK = 64
 
@@ -103,11 +103,9 @@ class StepRunner:
         masks: dict[torch.dtype, Tensor] = {}
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            # additive mask built once per step: a bool mask is converted by SDPA in every layer
             mask = masks.get(q.dtype)
             if mask is None:
-                mask = masks[q.dtype] = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                    ~visible, float("-inf"))
+                mask = masks[q.dtype] = additive_mask(visible, q.dtype)
             kc, vc = kv.k[layer], kv.v[layer]                                   # (pages, 64, KV, hd)
             kc.index_copy_(0, inp.write_page, k.transpose(1, 2).to(kc.dtype))
             vc.index_copy_(0, inp.write_page, v.transpose(1, 2).to(vc.dtype))
