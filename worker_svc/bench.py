@@ -46,16 +46,28 @@ def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02) -> torch.n
     return model
 
 
-def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> SteerlingModel:
-    cfg = preset(name)
+def random_model(make, device: str, dtype: torch.dtype, seed: int = 0, tie=None):
+    """A model with random weights: `make()` builds it; on the CPU its own init_random, elsewhere
+    built on the meta device and filled in place on `device` (no 16 GB CPU detour at 8B).
+    `tie(model)` re-ties shared weights that `to_empty` split."""
     if device == "cpu":
-        return SteerlingModel(cfg).init_random(seed, std=0.05).to(dtype).eval()
+        return make().init_random(seed, std=0.05).to(dtype).eval()
     with torch.device("meta"):
-        model = SteerlingModel(cfg)
+        model = make()
     model = fill_random(model.to_empty(device=device).to(dtype), seed)
-    model.transformer.tok_emb.weight = model.transformer.lm_head.weight
+    if tie is not None:
+        tie(model)
     model.rebuild_rope(device)
     return model.eval()
+
+
+def _tie_embeddings(model: SteerlingModel) -> None:
+    model.transformer.tok_emb.weight = model.transformer.lm_head.weight
+
+
+def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> SteerlingModel:
+    cfg = preset(name)
+    return random_model(lambda: SteerlingModel(cfg), device, dtype, seed, _tie_embeddings)
 
 
 def git_commit() -> str:

@@ -30,19 +30,13 @@ import torch
 
 from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
-from worker_svc.bench import GpuTimer, fill_random, json_writer, run_record
+from worker_svc.bench import GpuTimer, json_writer, random_model, run_record
 from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
 
 
 def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> Qwen3Model:
     cfg = preset(name)
-    if device == "cpu":
-        return Qwen3Model(cfg).init_random(seed, std=0.05).to(dtype).eval()
-    with torch.device("meta"):
-        model = Qwen3Model(cfg)
-    model = fill_random(model.to_empty(device=device).to(dtype), seed)
-    model.rebuild_rope(device)
-    return model.eval()
+    return random_model(lambda: Qwen3Model(cfg), device, dtype, seed)
 
 
 class StepClock:
