@@ -172,6 +172,14 @@ class StepLoop:
             self.step()
         raise RuntimeError("engine did not become idle")
 
+    def _run_throwaway(self, jobs) -> None:
+        """Warm-up: submit (request_id, prompt, options) jobs, run them to the end, forget them."""
+        for request_id, prompt, options in jobs:
+            self.submit(request_id, prompt, options)
+        self.run_until_idle()
+        for request_id, _, _ in jobs:
+            self.requests.pop(request_id, None)
+
     def drain(self, req) -> Iterator:
         while req.events:
             yield req.events.popleft()
@@ -277,12 +285,9 @@ class Engine(StepLoop):
             for k in K_BUCKETS:
                 if k > self.cfg.diff_block_size:
                     continue
-                ids = [f"__warmup_{n_rows}_{k}_{i}" for i in range(n_rows)]
-                for i, rid in enumerate(ids):
-                    self.submit(rid, [1] * (64 * (i % 2) + 3), DecodeOptions(min(max_new_tokens, 128), tokens_per_step=k))
-                self.run_until_idle()
-                for rid in ids:
-                    self.requests.pop(rid, None)
+                self._run_throwaway([(f"__warmup_{n_rows}_{k}_{i}", [1] * (64 * (i % 2) + 3),
+                                      DecodeOptions(min(max_new_tokens, 128), tokens_per_step=k))
+                                     for i in range(n_rows)])
 
     # ---- scheduling -----------------------------------------------------------------------
     def _release(self, req: Request) -> None:

@@ -307,17 +307,11 @@ class IsdEngine(StepLoop):
         # and all mixed, at one row and several
         for n_rows in sorted({1, min(2, max_rows), max_rows}):
             for group in [(n,) for n in strides] + [strides]:
-                ids = []
-                for i in range(n_rows):
-                    for n in group:
-                        rid = f"__warmup_{n_rows}_{n}_{i}_{len(group)}"
-                        opts = IsdOptions(max_new_tokens=max_new_tokens, stride=n,
-                                          temperature=0.0 if i % 2 else 0.7, top_k=0 if i % 2 else 8, seed=i)
-                        self.submit(rid, [i % v] * (PAGE * (i % 2) + 3), opts)
-                        ids.append(rid)
-                self.run_until_idle()
-                for rid in ids:
-                    self.requests.pop(rid, None)
+                self._run_throwaway([
+                    (f"__warmup_{n_rows}_{n}_{i}_{len(group)}", [i % v] * (PAGE * (i % 2) + 3),
+                     IsdOptions(max_new_tokens=max_new_tokens, stride=n, temperature=0.0 if i % 2 else 0.7,
+                                top_k=0 if i % 2 else 8, seed=i))
+                    for i in range(n_rows) for n in group])
 
     # ---- scheduling -----------------------------------------------------------------------
     def _release(self, req: IsdRequest) -> None:
