@@ -39,7 +39,7 @@ from cde.qwen3.model import Qwen3Model
 from tests.test_isd import HAS_TRITON, random_lora, run_child
 from worker_svc.engine.async_engine import AsyncEngine
 from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine, IsdFinishEvent, IsdOptions
-from worker_svc.engine.isd_runner import IsdInputs, IsdRunner, greedy_verify
+from worker_svc.engine.isd_runner import IsdInputs, IsdRunner, advance, greedy_verify
 from worker_svc.engine.kv_cache import KVCache
 
 LENGTHS = (1, 5, 63, 64, 65, 130)
@@ -156,9 +156,9 @@ def record_flags(engine: IsdEngine) -> list[tuple[bool, bool, IsdInputs]]:
     seen: list[tuple[bool, bool, IsdInputs]] = []
     step = engine._device_step
 
-    def recording(inp, window, filtered, sampling):
+    def recording(inp, window, filtered, sampling, overlapped=False):
         seen.append((filtered, sampling, inp))
-        return step(inp, window, filtered, sampling)
+        return step(inp, window, filtered, sampling, overlapped)
     engine._device_step = recording
     return seen
 
@@ -172,18 +172,19 @@ def has_greedy_decode_row(inp: IsdInputs) -> bool:
 # =========================================================================================
 
 @pytest.mark.parity
-@pytest.mark.parametrize("kind", ["tiny-random", "lag4"])
-def test_greedy_all_strides_equal_greedy_ar(kind):
+@pytest.mark.parametrize("kind,overlap", [("tiny-random", True), ("lag4", True), ("lag4", False)])
+def test_greedy_all_strides_equal_greedy_ar(kind, overlap):
     seed = fresh_seed()
     model = models(seed)[kind]
     rng = random.Random(seed)
     prompts = prompts_for(model, rng) + [PROBE]
     jobs = [(f"N{n}-L{len(p)}", p, IsdOptions(NEW, stride=n)) for n in (1, 2, 3, 4, 8) for p in prompts]
     rng.shuffle(jobs)
-    engine = IsdEngine(model, n_pages=128)
+    engine = IsdEngine(model, n_pages=128, overlap=overlap)
     flags = record_flags(engine)
     events = run_in_waves(engine, jobs)
     assert not any(sampling for _, sampling, _ in flags), "greedy-only steps must take the greedy path"
+    assert (engine.overlapped_steps > 0) == overlap, f"seed={seed}: {engine.overlapped_steps} overlapped steps"
     fins = check_all(model, events, jobs, f"seed={seed} {kind}")  # against generate_isd_batch (and its stats)
     ar = {len(p): g.tokens for p, g in zip(prompts, generate_ar_batch(model, prompts, NEW))}
     for rid, prompt, _ in jobs:  # ... and every stride against greedy AR directly
@@ -195,6 +196,66 @@ def test_greedy_all_strides_equal_greedy_ar(kind):
         assert 0 < acc < prop and sum(f.stats.full_accepts for f in isd) > 0, f"seed={seed}: paths not exercised"
         assert sum(f.stats.generated for f in isd) > sum(f.stats.forwards for f in isd), \
             f"seed={seed}: ISD should emit more than one token per forward on the lag model"
+
+
+# =========================================================================================
+# Overlapped steps: the windows derived on the device are the ones the host would build
+# =========================================================================================
+
+def test_overlapped_windows_equal_the_host_built_ones():
+    """An overlapped step is launched before the last step's results reach the host; its rows'
+    windows are derived on the device (isd_runner.advance). Once the last step is applied, the
+    host builds (IsdEngine._host_inputs) the windows of the resolved rows: every field must be
+    equal, after cold steps, full accepts, rejections at every index and AR steps; query columns
+    and drafts the host does not have (a narrower bucket) must be padding."""
+    seed = fresh_seed()
+    model = stopping_lag_model(seed)
+    rng = random.Random(seed)
+    prompts = prompts_for(model, rng, (3, 64, 65)) + [PROBE]
+    jobs = [(f"N{n}-{i}-{t}", p, IsdOptions(40, stride=n, temperature=t, top_k=3 if t else 0, seed=rng.randrange(99),
+                                               lora_gated=bool(i % 2)))
+            for n in (1, 2, 4, 8) for i, p in enumerate(prompts) for t in (0.0, 0.9)]
+    engine = IsdEngine(model, n_pages=128)
+    device_step, derived = engine._device_step, []
+
+    def recording(inp, window, filtered, sampling, overlapped=False):
+        if overlapped:   # CPU steps run at once: the carry is the last step's now
+            derived.append(advance(inp, engine.runner.carry.clone(), engine.runner.mask_id))
+        return device_step(inp, window, filtered, sampling, overlapped)
+
+    engine._device_step = recording
+    for rid, prompt, opts in jobs:
+        engine.submit(rid, prompt, opts)
+    seen = {"cold": 0, "verify": 0, "ar": 0, "dropped": 0}
+    while engine.has_work():
+        engine.step()
+        if not derived:
+            continue
+        dev = derived.pop()
+        assert not derived and engine._inflight is not None
+        rows = engine._inflight.rows          # resolved now that the step before is applied
+        live = [(i, row) for i, row in enumerate(rows) if row is not None]
+        seen["dropped"] += len(rows) - len(live)
+        if not live:
+            continue
+        host, k = engine._host_inputs([row for _, row in live])
+        q_h = host.tokens.shape[1]
+        for h, (i, row) in enumerate(live):
+            seen["ar" if row.req.stride == 1 else row.kind] += 1
+            tag = f"seed={seed} {row.req.request_id} {row.kind}"
+            for name in ("tokens", "positions", "gate", "write_idx"):
+                got, want = getattr(dev, name)[i], torch.from_numpy(getattr(host, name)[h])
+                assert torch.equal(got[:q_h], want), f"{tag}: {name} {got.tolist()} != {want.tolist()}"
+            j = torch.arange(q_h, dev.tokens.shape[1])
+            assert torch.equal(dev.tokens[i, q_h:], torch.zeros_like(j)) and not dev.gate[i, q_h:].any()
+            assert torch.equal(dev.write_idx[i, q_h:], j % 64)
+            assert torch.equal(dev.drafts[i, :k], torch.from_numpy(host.drafts[h])), tag
+            assert not dev.drafts[i, k:].any(), tag
+            for name in ("read_start", "slot", "win_pos", "clean_j", "mask_j0", "verify_row", "fwd_index", "n_drafts"):
+                got, want = getattr(dev, name)[i].item(), getattr(host, name)[h].item()
+                assert got == want, f"{tag}: {name} {got} != {want}"
+    assert min(seen.values()) > 0, f"seed={seed}: not every case exercised: {seen}"
+    assert engine.overlapped_steps > 0 and engine.stats().pages_used == 0
 
 
 # =========================================================================================
@@ -220,7 +281,8 @@ def greedy_step_inputs(g: torch.Generator, r: int, k: int, v: int, n_slots: int,
         slot=ints(1, n_slots, r), win_pos=ints(0, 999, r), clean_j=ints(0, w, r), mask_j0=ints(0, w, r),
         verify_row=verify_row, drafts=drafts, greedy=torch.ones(r, dtype=torch.bool),
         temperature=torch.ones(r, dtype=torch.float64), top_k=ints(0, 4, r), top_p=torch.ones(r, dtype=torch.float64),
-        seed=ints(0, 1 << 40, r), fwd_index=ints(0, 99, r), proposal=ints(0, 3, r))
+        seed=ints(0, 1 << 40, r), fwd_index=ints(0, 99, r), proposal=ints(0, 3, r), n_drafts=ints(0, k + 1, r),
+        from_carry=torch.zeros(r, dtype=torch.bool))
     return logits, inp
 
 
@@ -525,18 +587,17 @@ def test_fp32_paged_forward_matches_the_dense_forward():
     for i, (length, n) in enumerate([(1, 1), (63, 3), (64, 4), (130, 2), (7, 8)]):
         engine.submit(f"f{i}", prompts_for(model, rng, (length,))[0],
                       IsdOptions(30, stride=n, temperature=0.8, seed=seed + i))
-    execute, forward = engine._execute, engine.runner.forward
-    seen: dict = {}
+    apply, forward = engine._apply, engine.runner.forward
+    launched: list = []   # (inputs, logits) per launched step; applied in launch order
 
     def capture(inp, window):
-        seen["inp"], seen["logits"] = inp, forward(inp, window)
-        return seen["logits"]
+        launched.append((inp, forward(inp, window)))
+        return launched[-1][1]
 
-    def check(rows):
-        result = execute(rows)
-        inp, logits = seen["inp"], seen["logits"]
+    def check(rows, packed, k):   # rows: the step's rows as applied (an overlapped step's resolved)
+        inp, logits = launched.pop(0)
         for i, row in enumerate(rows):
-            if row.kind == "prefill":
+            if row is None or row.kind == "prefill":
                 continue
             n_read = 1 if row.kind == "first" else row.length
             prefix = (row.req.prompt + row.req.out)[: row.start]
@@ -548,12 +609,13 @@ def test_fp32_paged_forward_matches_the_dense_forward():
             err = float((got - dense).abs().max() / dense.abs().max())
             assert err <= 1e-5, f"seed={seed} {row.req.request_id} {row.kind}: relative error {err:.2e}"
             seen["checked"] = seen.get("checked", 0) + 1
-        return result
+        return apply(rows, packed, k)
 
+    seen: dict = {}
     engine.runner.forward = capture
-    engine._execute = check
+    engine._apply = check
     engine.run_until_idle()
-    assert seen["checked"] > 40
+    assert seen["checked"] > 40 and engine.overlapped_steps > 0
 
 
 def triton_engine_child() -> None:

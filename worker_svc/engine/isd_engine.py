@@ -76,8 +76,8 @@ from worker_svc.engine.kv_cache import KVCache
 Q_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
-# row kinds
-PREFILL, FIRST, COLD, VERIFY = "prefill", "first", "cold", "verify"
+# row kinds (OVERLAPPED: a decode row of an overlapped step, its window derived on the device)
+PREFILL, FIRST, COLD, VERIFY, OVERLAPPED = "prefill", "first", "cold", "verify", "overlapped"
 
 
 # ---- options and events ------------------------------------------------------------------
@@ -188,9 +188,21 @@ class _Row:
     length: int   # real query tokens
 
 
+@dataclass
+class _Launched:
+    """A step on its way: its rows (OVERLAPPED rows are resolved to cold / verify rows, or None
+    for a request that ended, once the step before is applied), K, and its packed results
+    (device-to-host copy pending until `done`)."""
+    rows: list
+    k: int
+    host: Tensor
+    done: object | None   # torch.cuda.Event; None on the CPU
+
+
 # per-row scalars of the step's inputs (IsdEngine._host_inputs), their dtypes and padding rows' values
-_GEOMETRY_DTYPES = (np.int64,) * 3 + (bool,) + (np.int64,) * 3 + (bool,)   # start, length, n_clean, ungated,
-_PAD_GEOMETRY = (0, 0, 0, False, 0, 0, 1, False)                         # read_start, clean_j, mask_j0, verify
+_GEOMETRY_DTYPES = (np.int64,) * 3 + (bool,) + (np.int64,) * 3 + (bool,) + (np.int64, bool)   # start, length,
+_PAD_GEOMETRY = (0, 0, 0, False, 0, 0, 1, False, 0, False)     # n_clean, ungated, read_start, clean_j, mask_j0,
+#                                                                verify, n_drafts, from_carry
 _SAMPLING_DTYPES = (bool, np.float64, np.int64, np.float64) + (np.int64,) * 4   # greedy, temperature, top_k,
 _NO_SAMPLING = (True, 1.0, 0, 1.0, 0, 0, 0, 0)                     # top_p, seed, fwd_index, proposal, slot
 
@@ -208,7 +220,8 @@ def pages_for(n_tokens: int) -> int:
 class IsdEngine(StepLoop):
     def __init__(self, model: Qwen3Model, *, max_slots: int = 64, n_pages: int | None = None, max_stride: int = 8,
                  prefill_chunk: int = 64, max_prefill_rows: int = 8, kv_fraction: float = 0.85,
-                 verify_fn: VerifyFn | None = None, cuda_graphs: bool = False, compile: bool = False):
+                 verify_fn: VerifyFn | None = None, cuda_graphs: bool = False, compile: bool = False,
+                 overlap: bool = True):
         if model.cfg.mask_token_id is None and max_stride > 1:
             raise ValueError("ISD (stride > 1) needs a model config with mask_token_id")
         if prefill_chunk not in Q_BUCKETS:
@@ -220,7 +233,8 @@ class IsdEngine(StepLoop):
         self.device, self.dtype = p.device, p.dtype
         self.kv = self._make_kv(n_pages, kv_fraction, max_slots, max_stride)
         self.max_stride = max_stride
-        self.runner = IsdRunner(model, self.kv, max_slots + 1, max(max_stride - 1, 0), verify_fn)
+        self.runner = IsdRunner(model, self.kv, max_slots + 1, max(max_stride - 1, 0), verify_fn,
+                                max_rows=bucket(max_slots + max(max_prefill_rows, 1), ROW_BUCKETS))
         self.prefill_chunk = prefill_chunk
         self.max_prefill_rows = max_prefill_rows
         self._eos = frozenset(self.cfg.eos_token_ids)
@@ -234,6 +248,14 @@ class IsdEngine(StepLoop):
         self.compiles = 0
         self._lock = threading.Lock()
         self._device_step = self.runner.step
+        # Overlap: in steady decoding the next step is launched before this one's results reach
+        # the host, its windows derived on the device (isd_runner.advance), so the host's
+        # scheduling, input building and bookkeeping hide behind the GPU's next step.
+        self.overlap = overlap
+        self._inflight: _Launched | None = None
+        self.overlapped_steps = 0
+        self.dropped_rows = 0      # rows of an overlapped step whose request ended before it was applied
+        self._pinned: dict[tuple[int, int], list[Tensor]] = {}
         if compile:
             self._compile()
         self._graphs = None
@@ -297,6 +319,9 @@ class IsdEngine(StepLoop):
             self.requests[request_id] = req
             self.waiting.append(req)
         return req
+
+    def has_work(self) -> bool:
+        return super().has_work() or self._inflight is not None
 
     def warmup(self, max_rows: int = 4, max_new_tokens: int = 8, strides: tuple[int, ...] | None = None) -> None:
         """Run throwaway requests through the shapes traffic will use (one and several rows,
@@ -405,20 +430,75 @@ class IsdEngine(StepLoop):
     # ---- one step -----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
+        """Apply one step's results, launching it first unless it is already running; in steady
+        decoding the next step is launched before this one's results are read."""
+        if self._inflight is None:
+            with self._lock:
+                self._finish_cancelled()
+                self._admit()
+                rows = self._plan()
+            if not rows:
+                return
+            self._inflight = self._launch(rows)
+        current, nxt = self._inflight, None
+        if self.overlap:
+            with self._lock:   # submit/cancel (other threads) touch waiting/cancelled; launch unlocked
+                ahead = self._overlapped_rows(current.rows)
+            if ahead is not None:
+                nxt = self._launch(ahead, overlapped=True)
+                self.overlapped_steps += 1
+        packed = self._collect(current)
         with self._lock:
-            for req in [r for r in self.running if r.cancelled]:
-                self._finish(req, "cancelled")
-            for req in [r for r in self.waiting if r.cancelled]:
-                self.waiting.remove(req)
-                self._finish(req, "cancelled")
-            self._admit()
-            rows = self._plan()
-        if not rows:
-            return
-        packed, k = self._execute(rows)
-        with self._lock:
-            self._apply(rows, packed, k)
+            self._apply(current.rows, packed, current.k)
             self.steps += 1
+            if nxt is not None:
+                nxt.rows = [self._resolve(row) for row in nxt.rows]
+            else:   # nothing in flight: a cancel frees its pages now, not a step later
+                self._finish_cancelled()
+        self._inflight = nxt
+
+    def _finish_cancelled(self) -> None:
+        for req in [r for r in self.running if r.cancelled]:
+            self._finish(req, "cancelled")
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            self._finish(req, "cancelled")
+
+    def _overlapped_rows(self, rows: list[_Row | None]) -> list[_Row] | None:
+        """The next step's rows if it can be launched before `rows`' results are applied, else
+        None. Only when it is sure to be the same requests' decode windows: nobody waiting (no
+        admission), every running request has exactly its decode row here, none cancelled,
+        none sure to end with this step (max_new_tokens), and pages for the next window
+        whatever this step accepts (up to N tokens further, 2N - 1 long) are free without
+        preempting. A stop token can still end a request: its row in the next step is computed
+        and dropped. Allocates those pages."""
+        if self.waiting or len(rows) != len(self.running):
+            return None
+        need = 0
+        for row in rows:
+            if row is None or row.kind not in (COLD, VERIFY):
+                return None
+            req = row.req
+            if req.cancelled or req.done or len(req.out) + 1 >= req.options.max_new_tokens:
+                return None
+            need += max(pages_for(min(row.start + 3 * req.stride - 1, req.max_extent())) - len(req.pages), 0)
+        if need > self.kv.pool.free:
+            return None
+        for row in rows:   # enough pages are free: never preempts
+            req = row.req
+            self._ensure_pages(req, pages_for(min(row.start + 3 * req.stride - 1, req.max_extent())))
+        return [_Row(row.req, OVERLAPPED, row.start, 2 * row.req.stride - 1) for row in rows]
+
+    def _resolve(self, row: _Row) -> _Row | None:
+        """An OVERLAPPED row, once the step before it is applied: the window the device derived
+        (the request's next window), or None if the request ended meanwhile (results dropped)."""
+        req = row.req
+        if req.done or not req.admitted:
+            self.dropped_rows += 1
+            return None
+        kind, length = req.window()
+        assert req.kv_len == req.kv_target, "an overlapped row must continue a decode window"
+        return _Row(req, kind, req.kv_target, length)
 
     def _host_inputs(self, rows: list[_Row]) -> tuple[IsdInputs, int]:
         """The step's inputs as numpy arrays (IsdInputs fields) and K. One Python pass collects
@@ -428,7 +508,7 @@ class IsdEngine(StepLoop):
         mask_id = self.cfg.mask_token_id if self.cfg.mask_token_id is not None else 0
         n = len(rows)
         rb = bucket(n, ROW_BUCKETS)
-        k = max((r.req.stride - 1 for r in rows if r.kind in (COLD, VERIFY)), default=0)
+        k = max((r.req.stride - 1 for r in rows if r.kind in (COLD, VERIFY, OVERLAPPED)), default=0)
         q_len = bucket(max(r.length for r in rows), Q_BUCKETS)
         pb = bucket(max(len(r.req.pages) for r in rows), PAGE_BUCKETS)
         pad_q, pad_p, pad_k = [0] * q_len, [0] * pb, [0] * k
@@ -444,7 +524,7 @@ class IsdEngine(StepLoop):
                 lo, hi = row.start, row.start + row.length
                 seq = req.prompt[lo:hi] + req.out[max(lo - p, 0):max(hi - p, 0)]
                 n_clean, read, clean_j, mask_j0, specs = row.length, row.length - 1, 0, 1, ()
-            elif row.kind == COLD:
+            elif row.kind in (COLD, OVERLAPPED):   # OVERLAPPED: placeholders, derived on the device
                 seq = [req.out[-1]] + [mask_id] * nk
                 n_clean, read, clean_j, mask_j0, specs = 1, 0, 0, 1, ()
             else:
@@ -455,7 +535,7 @@ class IsdEngine(StepLoop):
             pages.append(req.pages + pad_p[len(req.pages):])
             drafts.append([*specs] + pad_k[len(specs):])
             geometry.append((row.start, row.length, n_clean, not o.lora_gated, read, clean_j, mask_j0,
-                             row.kind == VERIFY))
+                             row.kind == VERIFY, nk, row.kind == OVERLAPPED))
             sampling.append(_NO_SAMPLING if row.kind == PREFILL else (
                 o.greedy, 1.0 if o.greedy else o.temperature, o.top_k, o.top_p, o.seed, req.stats.forwards,
                 PROPOSAL_CODES[o.proposal], req.slot if row.kind != FIRST else 0))
@@ -463,7 +543,7 @@ class IsdEngine(StepLoop):
         tokens = np.array(tokens + [pad_q] * pad, dtype=np.int64)
         pages = np.array(pages + [pad_p] * pad, dtype=np.int64)
         drafts = np.array(drafts + [pad_k] * pad, dtype=np.int64).reshape(rb, k)
-        start, length, n_clean, ungated, read_start, clean_j, mask_j0, verify_row = _columns(
+        start, length, n_clean, ungated, read_start, clean_j, mask_j0, verify_row, n_drafts, from_carry = _columns(
             geometry, _PAD_GEOMETRY, rb, _GEOMETRY_DTYPES)
         greedy, temperature, top_k, top_p, seed, fwd_index, proposal, slot = _columns(
             sampling, _NO_SAMPLING, rb, _SAMPLING_DTYPES)
@@ -474,24 +554,51 @@ class IsdEngine(StepLoop):
         page_of = pages[np.arange(rb)[:, None], np.minimum(positions // PAGE, pb - 1)]
         write_idx = np.where(real, page_of * PAGE + positions % PAGE, q % PAGE)   # padding: scratch page 0
         inp = IsdInputs(tokens, positions, gate, write_idx, pages, read_start, slot, start + read_start, clean_j,
-                        mask_j0, verify_row, drafts, greedy, temperature, top_k, top_p, seed, fwd_index, proposal)
+                        mask_j0, verify_row, drafts, greedy, temperature, top_k, top_p, seed, fwd_index, proposal,
+                        n_drafts, from_carry)
         return inp, k
 
-    def _execute(self, rows: list[_Row]) -> tuple[Tensor, int]:
+    def _launch(self, rows: list[_Row], overlapped: bool = False) -> _Launched:
+        """Build the step's inputs, run it on the device and start the copy of its results."""
         host, k = self._host_inputs(rows)
         inp = IsdInputs(*(torch.from_numpy(getattr(host, f.name)).to(self.device, non_blocking=True)
                           for f in fields(IsdInputs)))
         # host-known flags (graph bucket): work only sampled rows need; greedy rows never filter
         sampled = [r.req.options for r in rows if r.kind != PREFILL and not r.req.options.greedy]
         filtered = any(o.top_k > 0 or o.top_p < 1 for o in sampled)
-        packed = self._device_step(inp, 2 * k + 1, filtered, bool(sampled))
+        packed = self._device_step(inp, 2 * k + 1, filtered, bool(sampled), overlapped)
         self.forwards += 1
-        return packed[:len(rows)].cpu(), k    # the step's one device-to-host copy
+        out = packed[:len(rows)]
+        if out.device.type != "cuda":
+            return _Launched(rows, k, out, None)
+        # the step's one device-to-host copy, started now (before a later step can reuse the
+        # graph's output buffer) into pinned memory, waited for in _collect
+        host_out = self._pinned_buffer(*out.shape)
+        host_out.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Launched(rows, k, host_out, done)
 
-    def _apply(self, rows: list[_Row], packed: Tensor, k: int) -> None:
+    def _collect(self, launched: _Launched) -> Tensor:
+        if launched.done is not None:
+            launched.done.synchronize()
+        return launched.host
+
+    def _pinned_buffer(self, n: int, n_cols: int) -> Tensor:
+        """Two pinned host buffers per shape, used in turn: one step's results may still be read
+        while the next one's land."""
+        bufs = self._pinned.setdefault((n, n_cols), [])
+        if len(bufs) < 2:
+            bufs.append(torch.empty((n, n_cols), dtype=torch.int64, pin_memory=True))
+        bufs.append(bufs.pop(0))
+        return bufs[-1]
+
+    def _apply(self, rows: list[_Row | None], packed: Tensor, k: int) -> None:
         res = packed.tolist()
         touched: set[IsdRequest] = set()   # identity hash (eq=False)
         for row, r in zip(rows, res):
+            if row is None:   # an overlapped row whose request ended before the step was applied
+                continue
             req = row.req
             if req not in touched:
                 touched.add(req)

@@ -82,6 +82,14 @@ class IsdInputs:
     seed: Tensor         # (R,) long
     fwd_index: Tensor    # (R,) long the request's logical forwards before this one (proposal draws' step)
     proposal: Tensor     # (R,) long PROPOSAL_CODES
+    # ---- overlapped steps (IsdRunner.advance) ----------------------------------------------
+    n_drafts: Tensor     # (R,) long the request's stride - 1
+    from_carry: Tensor   # (R,) bool the row's window is derived on the device from the last step's results
+
+
+# carry columns (IsdRunner.carry): what a step leaves for the next one to derive its windows from
+C_WIN_POS, C_VERIFY, C_FWD, C_CLEAN = 0, 1, 2, 3   # then K new drafts, n_accepted, correction
+CARRY_FIXED = 6
 
 
 def keep_mask_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -140,6 +148,65 @@ def pack(clean: Tensor, new_specs: Tensor, n_acc: Tensor, corr: Tensor) -> Tenso
     return torch.cat([clean[:, None], new_specs, n_acc.long()[:, None], corr.long()[:, None]], dim=1)
 
 
+def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
+    """The inputs of an overlapped step: rows with ``from_carry`` get the window the host would
+    build after applying the last step's results (``carry``, row for row the same requests),
+    other rows keep the host's values. Host-known fields (pages, slot, sampling settings,
+    n_drafts, and the LoRA gate of query 0, which is always clean) come from ``inp``.
+
+    After a cold step (or an AR step) the next window is a verify window at position + 1 with
+    the new drafts (AR: cold again); after a verify step that accepted all K drafts, a verify
+    window past them with the bonus token pending; after a rejection at draft a, a cold window
+    at position + 1 + a with the correction pending. That is IsdEngine._apply's bookkeeping,
+    and the fields are what IsdEngine._host_inputs builds from it (tests/test_isd_engine.py
+    compares them field by field)."""
+    r, q_len = inp.tokens.shape
+    k = inp.drafts.shape[1]
+    dev = inp.tokens.device
+    c = carry[:r]
+    was_verify = c[:, C_VERIFY] != 0
+    nk = inp.n_drafts
+    n_acc, corr = c[:, CARRY_FIXED - 2 + k], c[:, CARRY_FIXED - 1 + k]
+    a = torch.minimum(n_acc, nk)
+    rejected = was_verify & (a < nk)
+    verify = ~rejected & (nk > 0)
+    start = c[:, C_WIN_POS] + 1 + torch.where(was_verify, a, torch.zeros_like(a))
+    pending = torch.where(rejected, corr, c[:, C_CLEAN])
+    n = nk + 1
+    length = torch.where(verify, 2 * n - 1, n)
+    n_clean = torch.where(verify, n, torch.ones_like(n))
+    j = torch.arange(q_len, device=dev)[None, :]
+    real = j < length[:, None]
+    tokens = torch.full_like(inp.tokens, mask_id)
+    drafts = torch.zeros_like(inp.drafts)
+    if k:
+        new_specs = c[:, C_CLEAN + 1:C_CLEAN + 1 + k]
+        drafts = torch.where(verify[:, None] & (torch.arange(k, device=dev)[None, :] < nk[:, None]), new_specs, 0)
+        in_drafts = verify[:, None] & (j >= 1) & (j < n[:, None])
+        tokens = torch.where(in_drafts, drafts.gather(1, (j - 1).clamp(0, k - 1).expand(r, q_len)), tokens)
+    tokens = torch.where(j == 0, pending[:, None], tokens)
+    tokens = torch.where(real, tokens, 0)                                  # padding queries: 0, as the host pads
+    positions = start[:, None] + j
+    gate = torch.where(j < n_clean[:, None], inp.gate[:, :1], real)
+    p = inp.pages.shape[1]
+    page_idx = positions // PAGE
+    page_of = inp.pages.gather(1, page_idx.clamp(max=p - 1))
+    page_of = torch.where(page_idx < p, page_of, 0)     # past the page table (a row that ends): scratch page
+    write_idx = torch.where(real, page_of * PAGE + positions % PAGE, j % PAGE)
+    sel, sel2 = inp.from_carry, inp.from_carry[:, None]
+    return IsdInputs(
+        tokens=torch.where(sel2, tokens, inp.tokens), positions=torch.where(sel2, positions, inp.positions),
+        gate=torch.where(sel2, gate, inp.gate), write_idx=torch.where(sel2, write_idx, inp.write_idx),
+        pages=inp.pages, read_start=torch.where(sel, 0, inp.read_start), slot=inp.slot,
+        win_pos=torch.where(sel, start, inp.win_pos),
+        clean_j=torch.where(sel, torch.where(verify, nk, 0), inp.clean_j),
+        mask_j0=torch.where(sel, torch.where(verify, n, 1), inp.mask_j0),
+        verify_row=torch.where(sel, verify, inp.verify_row), drafts=torch.where(sel2, drafts, inp.drafts),
+        greedy=inp.greedy, temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, seed=inp.seed,
+        fwd_index=torch.where(sel, c[:, C_FWD] + 1, inp.fwd_index), proposal=inp.proposal,
+        n_drafts=inp.n_drafts, from_carry=inp.from_carry)
+
+
 def default_verify(device: torch.device) -> VerifyFn:
     """verify_torch on the CPU; the Triton kernel (no host-syncing checks) on CUDA when available."""
     if device.type == "cuda":
@@ -155,7 +222,7 @@ class IsdRunner:
     """Holds the model, the KV cache and the q table; ``step`` is the device step."""
 
     def __init__(self, model: Qwen3Model, kv: KVCache, n_slots: int, max_drafts: int,
-                 verify_fn: VerifyFn | None = None):
+                 verify_fn: VerifyFn | None = None, max_rows: int = 128):
         self.model = model
         self.cfg = model.cfg
         self.kv = kv
@@ -163,6 +230,10 @@ class IsdRunner:
         # stored draft logits, already temperature-scaled (float32 as the reference's q_buf); slot 0 is scratch
         self.q_table = torch.zeros(n_slots, max_drafts, self.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.verify_fn = verify_fn or default_verify(dev)
+        # each step's rows' window start, kind, forward count and results, for `advance` (one
+        # fixed buffer: every CUDA graph reads and writes the same one)
+        self.carry = torch.zeros(max_rows, CARRY_FIXED + max_drafts, dtype=torch.int64, device=dev)
+        self.mask_id = self.cfg.mask_token_id if self.cfg.mask_token_id is not None else 0
         # Triton attention over the pages for decode windows (CUDA, bf16/fp16); else gather + SDPA
         self.use_paged_attention = True
         self.paged_calls = 0
@@ -272,7 +343,17 @@ class IsdRunner:
         q_table.index_copy_(0, inp.slot, new_q)
         return pack(clean, new_specs, n_acc, corr)
 
-    def step(self, inp: IsdInputs, window: int, filtered: bool = True, sampling: bool = True) -> Tensor:
+    def step(self, inp: IsdInputs, window: int, filtered: bool = True, sampling: bool = True,
+             overlapped: bool = False) -> Tensor:
         """filtered: some row of the step uses top-k or top-p; sampling: some row samples (T > 0).
-        Both are host-known flags (part of the graph bucket) that switch off work no row needs."""
-        return self.propose_and_verify(inp, self.forward(inp, window), filtered, sampling)
+        Both are host-known flags (part of the graph bucket) that switch off work no row needs.
+        overlapped: the step was launched before the last one's results reached the host; its
+        ``from_carry`` rows' windows are derived here (`advance`). Every step leaves its rows'
+        state in the carry buffer for the next one."""
+        if overlapped:
+            inp = advance(inp, self.carry, self.mask_id)
+        packed = self.propose_and_verify(inp, self.forward(inp, window), filtered, sampling)
+        r = packed.shape[0]
+        state = torch.cat([inp.win_pos[:, None], inp.verify_row.long()[:, None], inp.fwd_index[:, None], packed], 1)
+        self.carry[:r, :state.shape[1]].copy_(state)
+        return packed
