@@ -7,6 +7,7 @@
 #   bash bench/run_h200.sh ablation    # Steerling-8B at C=1, 16 without overlapped steps (what overlap saves)
 #   bash bench/run_h200.sh isd         # I-DLM-8B: ISD N=4 and AR at C=1, 32, 64 vs the 7- and 1-query floors (greedy)
 #   bash bench/run_h200.sh isd-sampled # the same at C=1, 64 with sampled requests (T = 1: draws, verify kernel)
+#   bash bench/run_h200.sh isd-ablation # I-DLM-8B at C=1, 32 without overlapped steps (what overlap saves)
 #   bash bench/run_h200.sh anchor      # the public reference (shared/perf/anchor_steerling_ref.py)
 #
 # Needs, carried with the call (git-ignored here): .whl/ (steerling 0.2.0 + pydantic wheels for
@@ -15,7 +16,7 @@
 # command that made them. Merge an anchor log into an engine JSON with
 #   python -m worker_svc.bench --merge-reference <log> --out bench/results/<engine>.json
 set -euo pipefail
-stage="${1:?stage: gpu-tests | steerling | long | ablation | isd | isd-sampled | anchor}"
+stage="${1:?stage: gpu-tests | steerling | long | ablation | isd | isd-sampled | isd-ablation | anchor}"
 : "${OUT:?set OUT (the device tool does)}"
 commit="${CDE_COMMIT:-unknown}"
 short="${commit:0:7}"
@@ -44,6 +45,9 @@ case "$stage" in
   isd-sampled)
     python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,64 --strides 4,1 --temperature 1.0 \
       --out "$OUT/isd-idlm-8b-h200-$short-sampled.json" 2>&1 | grep -v Warning ;;
+  isd-ablation)
+    python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,32 --strides 4,1 --no-overlap \
+      --out "$OUT/isd-idlm-8b-h200-$short-no-overlap.json" 2>&1 | grep -v Warning ;;
   anchor)
     python3 .anchor/anchor_steerling_ref.py 2>&1 | tee "$OUT/anchor-steerling-ref-h200-$short.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

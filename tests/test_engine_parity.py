@@ -25,7 +25,7 @@ from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import SteeringSpec, prepare
 from tests.oracle import assert_same_topk
-from worker_svc.engine.engine import BlockEvent, Engine, FinishEvent, StepEvent
+from worker_svc.engine.engine import BlockEvent, Engine, FinishEvent, PinnedPairs, StepEvent
 
 pytestmark = pytest.mark.parity
 VOCAB = 264
@@ -131,6 +131,19 @@ def test_overlapped_steps_survive_an_eot_that_ends_a_request_early():
         if dropped:
             break
     assert dropped > 0, "no speculative row was dropped in 4 runs: the early end was not exercised"
+
+
+def test_result_buffers_alternate_from_the_first_call():
+    """Both engines copy a launched step's results into PinnedPairs buffers; with overlap the
+    next step's copy is started before this one's results are read, so two calls in a row (for
+    one shape) must never return the same buffer. The first version returned its first buffer
+    twice, which on a GPU gave a request the next step's tokens."""
+    pairs = PinnedPairs(pin=False)
+    for shape in ((3, 7), (5, 2)):
+        got = [pairs.next(shape, torch.int64) for _ in range(6)]
+        assert all(a.data_ptr() != b.data_ptr() for a, b in zip(got, got[1:])), shape
+        assert {t.data_ptr() for t in got} == {got[0].data_ptr(), got[1].data_ptr()}, "two buffers per shape"
+        assert all(t.shape == shape and t.dtype == torch.int64 for t in got)
 
 
 def test_preemption_with_a_tiny_page_pool_gives_the_same_output():

@@ -14,7 +14,11 @@ figure that counts. The verify kernel is timed alone on the step's shapes (CUDA 
 Where a decode step's time goes (per run, `StepClock`): `host_ms_per_step` is the host time from
 `step()` until the device step is launched (scheduling and input building), `apply_ms_per_step`
 the host time applying its results; `gpu_ms_per_forward` is the device step's GPU busy time
-(CUDA events, bench.py's GpuTimer) and `gpu_idle_frac` = 1 - busy / wall. `--profile 1,32`
+(CUDA events, bench.py's GpuTimer) and `gpu_idle_frac` = 1 - busy / wall. In steady decoding
+the engine launches the next step before applying this one (`overlapped_steps`), so host time
+shows as idle only where it exceeds the GPU's; `--no-overlap` measures what that saves.
+`gc_pause_ms` / `gc_full_collections`: garbage-collector pauses inside the measured stretch
+(the heap alive after warm-up is frozen out of the collector's view, as the worker does). `--profile 1,32`
 runs warm decode steps eagerly (no CUDA graphs) under torch.profiler at those concurrencies and
 records the top kernels (on the CPU: operators, self time) with calls per step.
 Writes one JSON after every run (fields of shared/perf/ANCHORS.md).
@@ -23,6 +27,7 @@ Writes one JSON after every run (fields of shared/perf/ANCHORS.md).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -66,15 +71,27 @@ class StepClock:
 
         engine.step, engine._device_step, engine._apply = timed_step, timed_device_step, timed_apply
 
+        gc.callbacks.append(self._on_gc)
+        self._gc_started = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        """Garbage-collector pauses inside the measured stretch (a full collection can stall a step)."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_started
+            self.gc_full += info.get("generation") == 2
+
     def reset(self) -> None:
         self.gpu.pairs.clear()
-        self.host_s = self.apply_s = 0.0
-        self.launches = 0
+        self.host_s = self.apply_s = self.gc_s = 0.0
+        self.launches = self.gc_full = 0
 
     def report(self, wall: float) -> dict:
         busy = self.gpu.busy_s() if self.gpu.enabled else None
         n = max(self.launches, 1)
         return {"host_ms_per_step": self.host_s / n * 1e3, "apply_ms_per_step": self.apply_s / n * 1e3,
+                "gc_pause_ms": self.gc_s * 1e3, "gc_full_collections": self.gc_full,
                 "gpu_ms_per_forward": busy / n * 1e3 if busy is not None else None,
                 "gpu_idle_frac": max(0.0, 1 - busy / wall) if busy is not None else None}
 
@@ -107,7 +124,7 @@ def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_toke
     t0 = time.perf_counter()
     prefill(engine, handles)
     prefill_s = time.perf_counter() - t0
-    s0, c0, tokens0 = engine.steps, engine.compiles, sum(len(h.out) for h in handles)
+    s0, c0, o0, tokens0 = engine.steps, engine.compiles, engine.overlapped_steps, sum(len(h.out) for h in handles)
     clock.reset()
     t = time.perf_counter()
     while engine.has_work():
@@ -121,7 +138,8 @@ def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_toke
     accepted = sum(f.stats.accepted for f in fins)
     return {"concurrency": concurrency, "stride": stride, "temperature": temperature, "attribution": False,
             "steering": False, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "decode_steps": steps,
-            "ms_per_forward": wall / max(steps, 1) * 1e3, **clock.report(wall),
+            "ms_per_forward": wall / max(steps, 1) * 1e3, "overlapped_steps": engine.overlapped_steps - o0,
+            **clock.report(wall),
             "tok_per_s": generated / wall if wall else None,
             "tokens_per_forward_per_request": generated / max(steps, 1) / concurrency,
             "acceptance": accepted / proposed if proposed else None, "prefill_s": prefill_s,
@@ -216,6 +234,8 @@ def main() -> None:
     ap.add_argument("--max-pages", type=int, default=2048)
     ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true", help="launch each step only after the previous one's "
+                    "results are applied (measures what overlapping saves)")
     ap.add_argument("--no-compile", action="store_true", help="eager layers (default on GPU: regional compile)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy requests (the greedy-only step)")
     ap.add_argument("--profile", default="", help="concurrencies whose warm decode steps are profiled (e.g. 1,32)")
@@ -243,8 +263,10 @@ def main() -> None:
     t = time.perf_counter()
     model = build_model(args.preset, args.device, dtype)
     engine = IsdEngine(model, max_slots=max(concs + [4]), n_pages=args.max_pages, max_stride=max(strides + [1]),
-                       cuda_graphs=cuda and not args.no_cuda_graphs, compile=cuda and not args.no_compile)
+                       cuda_graphs=cuda and not args.no_cuda_graphs, compile=cuda and not args.no_compile,
+                       overlap=not args.no_overlap)
     result["compiled"], result["cuda_graphs"] = cuda and not args.no_compile, cuda and not args.no_cuda_graphs
+    result["overlap"] = not args.no_overlap
     clock = StepClock(engine, cuda)
     print(f"model + engine ready in {time.perf_counter() - t:.0f} s; pages {engine.kv.pool.usable}", flush=True)
     t = time.perf_counter()
@@ -253,6 +275,7 @@ def main() -> None:
             run_once(engine, cfg, c, args.prompt_tokens, args.new_tokens, n, 999, clock, args.temperature)
     result["warmup_s"] = time.perf_counter() - t
     result["compiles_after_warmup"] = engine.compiles
+    engine.freeze_heap()   # as IsdEngine.warmup does before a worker serves
     # decode windows through the Triton paged attention (worker_svc/engine/paged_attention.py)?
     result["paged_attention"] = engine.runner.use_paged_attention and engine.runner.paged_calls > 0
     print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}, paged attention {result['paged_attention']}", flush=True)
@@ -272,7 +295,8 @@ def main() -> None:
                   f"{r['tokens_per_forward_per_request']:.2f}  acceptance {r['acceptance']}  host "
                   f"{r['host_ms_per_step']:.2f} + {r['apply_ms_per_step']:.2f} ms/step"
                   + (f"  gpu {r['gpu_ms_per_forward']:.2f} ms  idle {r['gpu_idle_frac']:.3f}"
-                     if r["gpu_ms_per_forward"] is not None else ""), flush=True)
+                     if r["gpu_ms_per_forward"] is not None else "")
+                  + f"  overlapped {r['overlapped_steps']}  gc {r['gc_pause_ms']:.1f} ms", flush=True)
         if cuda:
             for n in strides:
                 if n > 1:

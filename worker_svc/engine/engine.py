@@ -19,6 +19,7 @@ chosen positions, tokens and raw concept records.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 from collections import deque
@@ -128,6 +129,25 @@ class _Launched:
     done: object | None   # torch.cuda.Event, None on the CPU
 
 
+class PinnedPairs:
+    """Two pinned host buffers per (shape, dtype), handed out in turn: a launched step's results
+    land in one while the step before it may still be read from the other. (An earlier version
+    handed out the first buffer twice in a row: an overlapped step's copy could then overwrite
+    the results of the step launched just before it, with the same shape, before they were read.)"""
+
+    def __init__(self, pin: bool = True):
+        self.pin = pin   # False: plain host memory (tests without a GPU)
+        self._bufs: dict[tuple, list[Tensor]] = {}
+
+    def next(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        bufs = self._bufs.setdefault((tuple(shape), dtype), [])
+        if len(bufs) < 2:
+            bufs.append(torch.empty(shape, dtype=dtype, pin_memory=self.pin))
+        else:
+            bufs.append(bufs.pop(0))
+        return bufs[-1]
+
+
 @dataclass
 class EngineStats:
     pages_total: int
@@ -180,6 +200,14 @@ class StepLoop:
         for request_id, _, _ in jobs:
             self.requests.pop(request_id, None)
 
+    @staticmethod
+    def freeze_heap() -> None:
+        """After warm-up: move every object alive now (model, graphs, compiled code, tables) out
+        of the garbage collector's view. They live as long as the process, and a full
+        collection that walks them all stalls the step loop for tens of milliseconds at a time."""
+        gc.collect()
+        gc.freeze()
+
     def drain(self, req) -> Iterator:
         while req.events:
             yield req.events.popleft()
@@ -221,7 +249,7 @@ class Engine(StepLoop):
         self._inflight: _Launched | None = None
         self.overlapped_steps = 0
         self.dropped_rows = 0      # rows of a launched step whose request ended before it was applied
-        self._pinned: dict[tuple[int, int], list[Tensor]] = {}
+        self._pinned = PinnedPairs()
         if compile:
             self._compile()
         self._graphs = None
@@ -288,6 +316,7 @@ class Engine(StepLoop):
                 self._run_throwaway([(f"__warmup_{n_rows}_{k}_{i}", [1] * (64 * (i % 2) + 3),
                                       DecodeOptions(min(max_new_tokens, 128), tokens_per_step=k))
                                      for i in range(n_rows)])
+        self.freeze_heap()
 
     # ---- scheduling -----------------------------------------------------------------------
     def _release(self, req: Request) -> None:
@@ -507,7 +536,7 @@ class Engine(StepLoop):
             return _Launched(rows, kmax, out, None)
         # the step's one device-to-host copy, started now (before a later step can reuse the
         # graph's output buffer) into pinned memory, waited for in _collect
-        host = self._pinned_buffer(n, n_cols)
+        host = self._pinned.next((n, n_cols), torch.int32)
         host.copy_(out, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
@@ -517,15 +546,6 @@ class Engine(StepLoop):
         if launched.done is not None:
             launched.done.synchronize()
         return unpack(launched.host, launched.kmax, self.k_known, self.k_disc, self.want_records)
-
-    def _pinned_buffer(self, n: int, n_cols: int) -> Tensor:
-        """Two pinned host buffers per shape, used in turn: one step's copy may still be read
-        while the next one's lands."""
-        bufs = self._pinned.setdefault((n, n_cols), [])
-        if len(bufs) < 2:
-            bufs.append(torch.empty((n, n_cols), dtype=torch.int32, pin_memory=True))
-        bufs.append(bufs.pop(0))
-        return bufs[-1]
 
     def _execute_device(self, rb: int, pb: int, kmax: int, fwd: ForwardInputs, smp: SamplerInputs) -> Tensor:
         if self._graphs is not None:

@@ -69,7 +69,7 @@ from torch import Tensor
 
 from cde.isd.decoder import PROPOSALS, DecodeStats, cut_at_stop
 from cde.qwen3.model import Qwen3Model
-from worker_svc.engine.engine import ROW_BUCKETS, FinishEvent, StepLoop, bucket
+from worker_svc.engine.engine import ROW_BUCKETS, FinishEvent, PinnedPairs, StepLoop, bucket
 from worker_svc.engine.isd_runner import PAGE, PROPOSAL_CODES, IsdInputs, IsdRunner, VerifyFn
 from worker_svc.engine.kv_cache import KVCache
 
@@ -255,7 +255,7 @@ class IsdEngine(StepLoop):
         self._inflight: _Launched | None = None
         self.overlapped_steps = 0
         self.dropped_rows = 0      # rows of an overlapped step whose request ended before it was applied
-        self._pinned: dict[tuple[int, int], list[Tensor]] = {}
+        self._pinned = PinnedPairs()
         if compile:
             self._compile()
         self._graphs = None
@@ -337,6 +337,7 @@ class IsdEngine(StepLoop):
                      IsdOptions(max_new_tokens=max_new_tokens, stride=n, temperature=0.0 if i % 2 else 0.7,
                                 top_k=0 if i % 2 else 8, seed=i))
                     for i in range(n_rows) for n in group])
+        self.freeze_heap()
 
     # ---- scheduling -----------------------------------------------------------------------
     def _release(self, req: IsdRequest) -> None:
@@ -573,7 +574,7 @@ class IsdEngine(StepLoop):
             return _Launched(rows, k, out, None)
         # the step's one device-to-host copy, started now (before a later step can reuse the
         # graph's output buffer) into pinned memory, waited for in _collect
-        host_out = self._pinned_buffer(*out.shape)
+        host_out = self._pinned.next(out.shape, out.dtype)
         host_out.copy_(out, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
@@ -583,15 +584,6 @@ class IsdEngine(StepLoop):
         if launched.done is not None:
             launched.done.synchronize()
         return launched.host
-
-    def _pinned_buffer(self, n: int, n_cols: int) -> Tensor:
-        """Two pinned host buffers per shape, used in turn: one step's results may still be read
-        while the next one's land."""
-        bufs = self._pinned.setdefault((n, n_cols), [])
-        if len(bufs) < 2:
-            bufs.append(torch.empty((n, n_cols), dtype=torch.int64, pin_memory=True))
-        bufs.append(bufs.pop(0))
-        return bufs[-1]
 
     def _apply(self, rows: list[_Row | None], packed: Tensor, k: int) -> None:
         res = packed.tolist()
