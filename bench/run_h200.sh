@@ -43,7 +43,7 @@ case "$stage" in
     python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,32,64 --strides 4,1 --profile 1,64 \
       --out "$OUT/isd-idlm-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/isd-idlm-8b-h200-$short.txt" ;;
   isd-sampled)
-    python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,64 --strides 4,1 --temperature 1.0 \
+    python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,64 --strides 4,1 --temperature 1.0 --profile 1,64 \
       --out "$OUT/isd-idlm-8b-h200-$short-sampled.json" 2>&1 | grep -v Warning ;;
   isd-ablation)
     python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,32 --strides 4,1 --no-overlap \

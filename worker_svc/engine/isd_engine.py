@@ -267,12 +267,16 @@ class IsdEngine(StepLoop):
             self._device_step = self._graphs.run
 
     def _compile(self) -> None:
-        """Regional compilation of the layers' pointwise parts (cde/qwen3/kernels.py): one
-        dynamic-shape graph per function for all layers and buckets; GEMMs, attention, the
-        proposals and verify stay eager kernels (replayed from CUDA graphs on a GPU)."""
+        """Regional compilation of the layers' pointwise parts (cde/qwen3/kernels.py) and of the
+        sampler's counter hash (isd_runner.SAMPLER_FUNCTIONS): one dynamic-shape graph per
+        function for all layers and buckets; GEMMs, attention, the proposals and verify stay
+        eager kernels (replayed from CUDA graphs on a GPU)."""
+        from cde import regional
         from cde.qwen3 import kernels
+        from worker_svc.engine.isd_runner import SAMPLER_FUNCTIONS
 
         self.model.use_kernels(kernels.compiled(self._counting_backend))
+        self.runner.kernels = regional.compiled(SAMPLER_FUNCTIONS, self._counting_backend)
 
     def _make_kv(self, n_pages: int | None, fraction: float, max_slots: int, max_stride: int) -> KVCache:
         cfg = self.cfg

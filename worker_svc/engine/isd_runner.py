@@ -46,10 +46,15 @@ from cde.isd.decoder import STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREAM
 from cde.isd.verify import onehot_logits, verify_torch
 from cde.qwen3.model import Qwen3Model
 from cde.steerling.sampling import counter_uniform
+from cde.regional import Kernels
 from worker_svc.engine import paged_attention
 from worker_svc.engine.kv_cache import KVCache, additive_mask
 
 PAGE = 64
+
+# the sampler's pure functions (IsdEngine._compile swaps in compiled ones): counter_uniform is
+# ~60 int64 elementwise ops eager (five hash rounds) and a step calls it 4 times; one kernel compiled
+SAMPLER_FUNCTIONS = {"counter_uniform": counter_uniform}
 
 # proposal modes as ints on the device (cde.isd.decoder.PROPOSALS order)
 PROPOSAL_CODES = {"sample": 0, "argmax_onehot": 1, "argmax": 2}
@@ -234,9 +239,16 @@ class IsdRunner:
         # fixed buffer: every CUDA graph reads and writes the same one)
         self.carry = torch.zeros(max_rows, CARRY_FIXED + max_drafts, dtype=torch.int64, device=dev)
         self.mask_id = self.cfg.mask_token_id if self.cfg.mask_token_id is not None else 0
+        self.kernels = Kernels(SAMPLER_FUNCTIONS)
         # Triton attention over the pages for decode windows (CUDA, bf16/fp16); else gather + SDPA
         self.use_paged_attention = True
         self.paged_calls = 0
+
+    def uniforms(self, seed: Tensor, position: Tensor, step: Tensor, stream: int) -> Tensor:
+        """counter_uniform through `kernels`, on flattened (equal-shape) tensors: one 1-D graph
+        serves every call when compiled."""
+        return self.kernels.counter_uniform(seed.reshape(-1), position.reshape(-1), step.reshape(-1),
+                                            stream).view(position.shape)
 
     # ---- 1. forward ---------------------------------------------------------------------
     def forward(self, inp: IsdInputs, window: int) -> Tensor:
@@ -311,13 +323,13 @@ class IsdRunner:
         temp = torch.where(greedy, torch.ones_like(inp.temperature), inp.temperature)
         zeros = torch.zeros_like(inp.seed)
 
-        u = counter_uniform(inp.seed, inp.win_pos + inp.clean_j + 1, zeros, STREAM_SAMPLE)
+        u = self.uniforms(inp.seed, inp.win_pos + inp.clean_j + 1, zeros, STREAM_SAMPLE)
         drawn = draw(scaled_rows(clean_logits, temp, inp.top_k, inp.top_p, filtered), u)
         clean = torch.where(greedy, clean_logits.argmax(-1), drawn)
 
         scaled = scaled_rows(mlog, temp, inp.top_k, inp.top_p, filtered)
         seed_k = inp.seed[:, None].expand(r, k)
-        u = counter_uniform(seed_k, inp.win_pos[:, None] + mask_j + 1, inp.fwd_index[:, None].expand(r, k),
+        u = self.uniforms(seed_k, inp.win_pos[:, None] + mask_j + 1, inp.fwd_index[:, None].expand(r, k),
                             STREAM_PROPOSAL)
         sampled = draw(scaled, u)
         top = scaled.argmax(-1)
@@ -328,12 +340,13 @@ class IsdRunner:
                             torch.where((prop == PROPOSAL_CODES["argmax_onehot"])[..., None],
                                         onehot_logits(top, v), scaled.float()))
 
-        p_in = torch.where(greedy[:, None, None], raw.float(),
-                           raw.float() if not filtered else
-                           raw.float().masked_fill(~keep_mask_rows(raw, temp, inp.top_k, inp.top_p), float("-inf")))
+        p_in = raw.float()   # unfiltered steps: every row's p is its raw logits (greedy or not)
+        if filtered:
+            p_in = torch.where(greedy[:, None, None], p_in,
+                               p_in.masked_fill(~keep_mask_rows(raw, temp, inp.top_k, inp.top_p), float("-inf")))
         spos = inp.win_pos[:, None] + 1 + torch.arange(k, device=dev)[None, :]
-        ua = counter_uniform(seed_k, spos, torch.zeros_like(spos), STREAM_ACCEPT)
-        ur = counter_uniform(seed_k, spos, torch.zeros_like(spos), STREAM_RESID)
+        ua = self.uniforms(seed_k, spos, torch.zeros_like(spos), STREAM_ACCEPT)
+        ur = self.uniforms(seed_k, spos, torch.zeros_like(spos), STREAM_RESID)
         q_table = self.q_table.narrow(1, 0, k)
         q_old = q_table.index_select(0, inp.slot)
         vgreedy = greedy | ~inp.verify_row
