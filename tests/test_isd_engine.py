@@ -31,7 +31,7 @@ import random
 import pytest
 import torch
 
-from cde.isd.decoder import DecodeStats, generate_ar_batch, generate_isd_batch
+from cde.isd.decoder import DecodeStats, draw, generate_ar_batch, generate_isd_batch
 from cde.isd.toy import lag_model
 from cde.isd.verify import verify_torch
 from cde.qwen3.config import preset
@@ -39,7 +39,7 @@ from cde.qwen3.model import Qwen3Model
 from tests.test_isd import HAS_TRITON, random_lora, run_child
 from worker_svc.engine.async_engine import AsyncEngine
 from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine, IsdFinishEvent, IsdOptions
-from worker_svc.engine.isd_runner import IsdInputs, IsdRunner, advance, greedy_verify
+from worker_svc.engine.isd_runner import IsdInputs, IsdRunner, advance, draw_rows, greedy_verify
 from worker_svc.engine.kv_cache import KVCache
 
 LENGTHS = (1, 5, 63, 64, 65, 130)
@@ -312,6 +312,24 @@ def test_greedy_only_step_packs_what_the_full_path_packs(dtype):
             if k >= 2:
                 outcomes |= {"all" if a == k else "none" if a == 0 else "some" for a in fast[inp.verify_row, k + 1]}
     assert outcomes == {"all", "none", "some"}, f"seed={seed}: acceptance lengths not all exercised: {outcomes}"
+
+
+def test_split_draw_equals_the_reference_draw():
+    """draw_rows' few-row path (whole-tensor reductions, one 1-D scan per row: the GPU default
+    for <= 8 rows) draws what cde.isd.decoder.draw draws: (R, V) and (R, K, V) logits with
+    filtered (-inf) ids, peaked and flat rows, uniforms anywhere in (0, 1)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    for shape in ((1, 5000), (3, 151), (2, 3, 997), (1, 1, 64)):
+        for scale in (0.1, 1.0, 8.0):
+            x = torch.randn(shape, generator=g, dtype=torch.float64) * scale
+            x = x.masked_fill(torch.rand(shape, generator=g) < 0.3, float("-inf"))
+            x[..., 0] = 0.0   # one kept id per row at least
+            for _ in range(20):
+                u = torch.rand(shape[:-1], generator=g, dtype=torch.float64)
+                got, want = draw_rows(x, u, split=True), draw(x, u)
+                assert torch.equal(got, want), f"seed={seed} {shape} x{scale}: {got.tolist()} != {want.tolist()}"
+    assert draw_rows(torch.zeros(2, 0, 7), torch.zeros(2, 0)).shape == (2, 0)
 
 
 # =========================================================================================
