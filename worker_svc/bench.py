@@ -71,10 +71,15 @@ def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> St
 
 
 def git_commit() -> str:
+    """The commit that ran: CDE_COMMIT when set (bench/run_h200.sh sets it: the device's copy of
+    the tree can carry a stale .git, whose HEAD JSONs before 47bff51 recorded), else git's HEAD."""
+    env = os.environ.get("CDE_COMMIT", "")
+    if env and env != "unknown":
+        return env
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("CDE_COMMIT", "unknown")
+        return "unknown"
 
 
 def run_record(module: str, preset_name: str, decoder: str, cuda: bool, dtype: torch.dtype, **extra) -> dict:
