@@ -52,6 +52,18 @@ host-known flags: some sampled row uses top-k / top-p, and some row samples at a
 greedy-only step is argmaxes only: no draws, no q writes, no verify kernel);
 ``cuda_graphs=True`` replays it through ``isd_graphs.py``, one graph per bucket and flags.
 
+Overlapped steps (``overlap=True``, the default): in steady decoding (nobody waiting, every
+running request on its decode window, none cancelled or sure to end this step, pages for the
+next window free whatever this step accepts) the next step is launched before this one's
+results reach the host. Its rows are the same requests; their windows (kind, start, pending
+token, drafts, forward count) are derived on the device from the carry buffer every step
+writes (``isd_runner.advance``), exactly as ``_apply`` + ``_host_inputs`` would build them,
+with the query length padded to 2N-1 since the kind is not known yet. Results come back
+through pinned buffers and an event; the host applies step t while the GPU runs t+1, and
+resolves t+1's rows afterwards. A request that ended in step t (a stop token) has its row in
+t+1 computed and dropped. Everything else (prefill, admission, preemption, cancels) takes the
+synchronous path.
+
 Stops: the model's EOS ids plus the request's ``stop_ids``; the stop token is kept (as the
 reference keeps EOS) and tokens after it in the same step are dropped.
 """
