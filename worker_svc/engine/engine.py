@@ -147,6 +147,18 @@ class PinnedPairs:
             bufs.append(bufs.pop(0))
         return bufs[-1]
 
+    def start_copy(self, out: Tensor) -> tuple[Tensor, object | None]:
+        """A launched step's one device-to-host copy of its results, started now (before a later
+        step can reuse a CUDA graph's output buffer) into the next pinned buffer: (host tensor,
+        event to wait on). On the CPU the results are already there: (out, None)."""
+        if out.device.type != "cuda":
+            return out, None
+        host = self.next(out.shape, out.dtype)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
 
 @dataclass
 class EngineStats:
@@ -531,16 +543,7 @@ class Engine(StepLoop):
         packed = self._execute_device(rb, pb, kmax, fwd, smp)
         self.forwards += 1
         n_cols = packed.shape[1] if self.want_records else 4 * kmax
-        out = packed[:n, :n_cols]
-        if out.device.type != "cuda":
-            return _Launched(rows, kmax, out, None)
-        # the step's one device-to-host copy, started now (before a later step can reuse the
-        # graph's output buffer) into pinned memory, waited for in _collect
-        host = self._pinned.next((n, n_cols), torch.int32)
-        host.copy_(out, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _Launched(rows, kmax, host, done)
+        return _Launched(rows, kmax, *self._pinned.start_copy(packed[:n, :n_cols]))   # waited for in _collect
 
     def _collect(self, launched: _Launched) -> tuple:
         if launched.done is not None:

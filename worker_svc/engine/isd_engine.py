@@ -585,16 +585,7 @@ class IsdEngine(StepLoop):
         filtered = any(o.top_k > 0 or o.top_p < 1 for o in sampled)
         packed = self._device_step(inp, 2 * k + 1, filtered, bool(sampled), overlapped)
         self.forwards += 1
-        out = packed[:len(rows)]
-        if out.device.type != "cuda":
-            return _Launched(rows, k, out, None)
-        # the step's one device-to-host copy, started now (before a later step can reuse the
-        # graph's output buffer) into pinned memory, waited for in _collect
-        host_out = self._pinned.next(out.shape, out.dtype)
-        host_out.copy_(out, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _Launched(rows, k, host_out, done)
+        return _Launched(rows, k, *self._pinned.start_copy(packed[:len(rows)]))   # waited for in _collect
 
     def _collect(self, launched: _Launched) -> Tensor:
         if launched.done is not None:
