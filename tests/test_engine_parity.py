@@ -233,7 +233,7 @@ def test_fp32_paged_forward_equals_dense_reference_forward():
         return out
 
     engine.runner.forward = spy
-    rows = engine._plan_rows()
+    rows = engine._plan()
     engine.step()
     logits = captured["logits"].view(-1, 64, model.cfg.vocab_size)
     checked = 0

@@ -120,13 +120,21 @@ class Request:
 
 
 @dataclass
-class _Launched:
-    """A step on its way: its rows, and its packed results (device copy pending until `done`)."""
+class LaunchedStep:
+    """A step on its way (both engines): its rows, its K (the largest tokens or drafts per row,
+    which the packed layout depends on) and its packed results, whose device-to-host copy is
+    pending until `done`."""
 
     rows: list
     kmax: int
     host: Tensor
     done: object | None   # torch.cuda.Event, None on the CPU
+
+    def results(self) -> Tensor:
+        """The packed results on the host, once their copy has landed."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
 
 
 class PinnedPairs:
@@ -175,10 +183,47 @@ class EngineStats:
 
 
 class StepLoop:
-    """What both engines (this one and isd_engine.IsdEngine) share around their own `submit`
-    and `step`: cancel, stats, draining a request's events, running until idle, and counting
-    compilations. A subclass sets `_lock`, `requests`, `waiting`, `running`, `kv`, `steps`,
-    `forwards`, `compiles`, `preemptions` and `_graphs`."""
+    """What both engines (this one and isd_engine.IsdEngine) share around their own `submit`:
+    the step loop with overlapped steps, cancel, stats, draining a request's events, running
+    until idle, warm-up and counting compilations. A subclass sets `_lock`, `requests`,
+    `waiting`, `running`, `kv`, `steps`, `forwards`, `compiles`, `preemptions`, `_graphs`,
+    `overlap`, `overlapped_steps` and `_inflight`, and implements the step's parts:
+    `_finish_cancelled`, `_admit`, `_plan` (the rows of a step), `_rows_ahead` (the next step's
+    rows if it can be launched before this one's results are applied, else None), `_launch`
+    (-> LaunchedStep), `_apply_step` and `_resolve_ahead`."""
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Apply one step's results, launching it first unless it is already running. With
+        overlap, in steady decoding the next step is launched before this one's results are
+        read, so the host's bookkeeping and the device-to-host copy hide behind the GPU."""
+        if self._inflight is None:
+            with self._lock:
+                self._finish_cancelled()
+                self._admit()
+                rows = self._plan()
+            if not rows:
+                return
+            self._inflight = self._launch(rows)
+        current, nxt = self._inflight, None
+        if self.overlap:
+            with self._lock:   # submit/cancel (other threads) touch waiting/cancelled; launch unlocked
+                ahead = self._rows_ahead(current.rows)
+            if ahead is not None:
+                nxt = self._launch(ahead, overlapped=True)
+                self.overlapped_steps += 1
+        with self._lock:
+            self._apply_step(current)
+            self.steps += 1
+            if nxt is not None:
+                self._resolve_ahead(nxt)
+            else:   # nothing in flight: a cancel frees its pages now, not a step later
+                self._finish_cancelled()
+        self._inflight = nxt
+
+    def _resolve_ahead(self, launched: LaunchedStep) -> None:
+        """After the step before `launched` is applied: what its rows turned out to be (a no-op
+        where the rows launched ahead already are the rows)."""
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:
@@ -189,7 +234,7 @@ class StepLoop:
             return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight is not None)
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
@@ -258,7 +303,7 @@ class Engine(StepLoop):
         # read (its tokens come from the device's block-token table), so the host's
         # bookkeeping and the device-to-host copy hide behind the GPU's next step.
         self.overlap = overlap
-        self._inflight: _Launched | None = None
+        self._inflight: LaunchedStep | None = None
         self.overlapped_steps = 0
         self.dropped_rows = 0      # rows of a launched step whose request ended before it was applied
         self._pinned = PinnedPairs()
@@ -311,9 +356,6 @@ class Engine(StepLoop):
             self.requests[request_id] = req
             self.waiting.append(req)
         return req
-
-    def has_work(self) -> bool:
-        return super().has_work() or self._inflight is not None
 
     def warmup(self, max_rows: int = 4, max_new_tokens: int = 70) -> None:
         """Compile (and, on GPU, capture) the step for the shapes traffic will use, before SERVING.
@@ -402,54 +444,30 @@ class Engine(StepLoop):
         self.tables.steer[s] = 0 if st is None else st.direction.to(self.device, self.dtype)
         self.tables.relu[s] = 0 if st is None or st.relu_mask is None else st.relu_mask.to(self.device)
 
-    # ---- one step -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self) -> None:
-        """Apply one step's results (launching it first unless it is already running)."""
-        if self._inflight is None:
-            with self._lock:
-                for req in [r for r in self.running if r.cancelled]:
-                    self._finish(req, "cancelled")
-                self._admit()
-                rows = self._plan_rows()
-            if not rows:
-                return
-            self._inflight = self._launch(rows, speculative=False)
-        current, nxt = self._inflight, None
-        if self.overlap:
-            with self._lock:   # submit/cancel (other threads) touch waiting/cancelled; launch unlocked
-                steady = self._steady(current.rows)
-            if steady:
-                nxt = self._launch(current.rows, speculative=True)
-                self.overlapped_steps += 1
-        results = self._collect(current)
-        with self._lock:
-            self._apply(current.rows, results)
-            self.steps += 1
-            if nxt is None:   # nothing in flight: a cancel frees its pages now, not a step later
-                for req in [r for r in self.running if r.cancelled]:
-                    self._finish(req, "cancelled")
-        self._inflight = nxt
+    # ---- one step (StepLoop.step runs them) --------------------------------------------------
+    def _finish_cancelled(self) -> None:
+        for req in [r for r in self.running if r.cancelled]:
+            self._finish(req, "cancelled")
 
-    def _steady(self, rows: list[tuple[Request, int, bool]]) -> bool:
-        """Can the next step be launched before `rows`' results are applied? Only when it is
-        sure to be the same decode rows: no arrivals or cancels to handle, every running request
+    def _rows_ahead(self, rows: list[tuple[Request, int, bool]]) -> list[tuple[Request, int, bool]] | None:
+        """`rows` again if the next step can be launched before their results are applied, else
+        None. Only when it is sure to be the same decode rows: no arrivals or cancels to handle, every running request
         decoding, no confidence threshold (so a step commits exactly min(k, masks left)), and
         every block keeps a mask after this step (no block closes). An <|eot_id|> can still end
         a request early: its row in the next step then finds its block filled (samples nothing)
         and its results are dropped."""
         if self.waiting or len(rows) != len(self.running):
-            return False
+            return None
         for req, b, is_decode in rows:
             if not is_decode or req.cancelled or req.done or req.options.confidence_threshold is not None:
-                return False
+                return None
             start, end = req.block_range(b)
             left = req.seq[start:end].count(self.cfg.mask_id)
             if left - min(req.options.tokens_per_step, left) < 1:
-                return False
-        return True
+                return None
+        return rows
 
-    def _plan_rows(self) -> list[tuple[Request, int, bool]]:
+    def _plan(self) -> list[tuple[Request, int, bool]]:
         """(request, block index, is_decode) rows for this step."""
         rows: list[tuple[Request, int, bool]] = []
         prefill_budget = self.max_prefill_rows
@@ -465,9 +483,9 @@ class Engine(StepLoop):
             rows.append((req, req.active, True))
         return rows
 
-    def _launch(self, rows: list[tuple[Request, int, bool]], speculative: bool) -> _Launched:
+    def _launch(self, rows: list[tuple[Request, int, bool]], overlapped: bool = False) -> LaunchedStep:
         """Build the step's inputs, run it on the device and start the copy of its results.
-        speculative: the previous step's results are not applied yet; its decode rows continue
+        overlapped: the previous step's results are not applied yet; its decode rows continue
         from the device's block-token table, one step and min(k, masks left) tokens further."""
         cfg = self.cfg
         n = len(rows)
@@ -501,7 +519,7 @@ class Engine(StepLoop):
         for i, (req, b, is_decode) in enumerate(rows):
             start, end = req.block_range(b)
             ahead = committed_ahead = 0
-            if speculative:
+            if overlapped:
                 from_table[i] = True
                 ahead = 1
                 left = req.seq[start:end].count(cfg.mask_id)
@@ -543,12 +561,11 @@ class Engine(StepLoop):
         packed = self._execute_device(rb, pb, kmax, fwd, smp)
         self.forwards += 1
         n_cols = packed.shape[1] if self.want_records else 4 * kmax
-        return _Launched(rows, kmax, *self._pinned.start_copy(packed[:n, :n_cols]))   # waited for in _collect
+        return LaunchedStep(rows, kmax, *self._pinned.start_copy(packed[:n, :n_cols]))
 
-    def _collect(self, launched: _Launched) -> tuple:
-        if launched.done is not None:
-            launched.done.synchronize()
-        return unpack(launched.host, launched.kmax, self.k_known, self.k_disc, self.want_records)
+    def _apply_step(self, launched: LaunchedStep) -> None:
+        self._apply(launched.rows, unpack(launched.results(), launched.kmax, self.k_known, self.k_disc,
+                                          self.want_records))
 
     def _execute_device(self, rb: int, pb: int, kmax: int, fwd: ForwardInputs, smp: SamplerInputs) -> Tensor:
         if self._graphs is not None:

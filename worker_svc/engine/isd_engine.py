@@ -81,7 +81,7 @@ from torch import Tensor
 
 from cde.isd.decoder import PROPOSALS, DecodeStats, cut_at_stop
 from cde.qwen3.model import Qwen3Model
-from worker_svc.engine.engine import ROW_BUCKETS, FinishEvent, PinnedPairs, StepLoop, bucket
+from worker_svc.engine.engine import ROW_BUCKETS, FinishEvent, LaunchedStep, PinnedPairs, StepLoop, bucket
 from worker_svc.engine.isd_runner import PAGE, PROPOSAL_CODES, IsdInputs, IsdRunner, VerifyFn
 from worker_svc.engine.kv_cache import KVCache
 
@@ -200,17 +200,6 @@ class _Row:
     length: int   # real query tokens
 
 
-@dataclass
-class _Launched:
-    """A step on its way: its rows (OVERLAPPED rows are resolved to cold / verify rows, or None
-    for a request that ended, once the step before is applied), K, and its packed results
-    (device-to-host copy pending until `done`)."""
-    rows: list
-    k: int
-    host: Tensor
-    done: object | None   # torch.cuda.Event; None on the CPU
-
-
 # per-row scalars of the step's inputs (IsdEngine._host_inputs), their dtypes and padding rows' values
 _GEOMETRY_DTYPES = (np.int64,) * 3 + (bool,) + (np.int64,) * 3 + (bool,) + (np.int64, bool)   # start, length,
 _PAD_GEOMETRY = (0, 0, 0, False, 0, 0, 1, False, 0, False)     # n_clean, ungated, read_start, clean_j, mask_j0,
@@ -264,7 +253,7 @@ class IsdEngine(StepLoop):
         # the host, its windows derived on the device (isd_runner.advance), so the host's
         # scheduling, input building and bookkeeping hide behind the GPU's next step.
         self.overlap = overlap
-        self._inflight: _Launched | None = None
+        self._inflight: LaunchedStep | None = None
         self.overlapped_steps = 0
         self.dropped_rows = 0      # rows of an overlapped step whose request ended before it was applied
         self._pinned = PinnedPairs()
@@ -335,9 +324,6 @@ class IsdEngine(StepLoop):
             self.requests[request_id] = req
             self.waiting.append(req)
         return req
-
-    def has_work(self) -> bool:
-        return super().has_work() or self._inflight is not None
 
     def warmup(self, max_rows: int = 4, max_new_tokens: int = 8, strides: tuple[int, ...] | None = None) -> None:
         """Run throwaway requests through the shapes traffic will use (one and several rows,
@@ -444,36 +430,7 @@ class IsdEngine(StepLoop):
             rows += own
         return [r for r in rows if r.req.admitted]
 
-    # ---- one step -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self) -> None:
-        """Apply one step's results, launching it first unless it is already running; in steady
-        decoding the next step is launched before this one's results are read."""
-        if self._inflight is None:
-            with self._lock:
-                self._finish_cancelled()
-                self._admit()
-                rows = self._plan()
-            if not rows:
-                return
-            self._inflight = self._launch(rows)
-        current, nxt = self._inflight, None
-        if self.overlap:
-            with self._lock:   # submit/cancel (other threads) touch waiting/cancelled; launch unlocked
-                ahead = self._overlapped_rows(current.rows)
-            if ahead is not None:
-                nxt = self._launch(ahead, overlapped=True)
-                self.overlapped_steps += 1
-        packed = self._collect(current)
-        with self._lock:
-            self._apply(current.rows, packed, current.k)
-            self.steps += 1
-            if nxt is not None:
-                nxt.rows = [self._resolve(row) for row in nxt.rows]
-            else:   # nothing in flight: a cancel frees its pages now, not a step later
-                self._finish_cancelled()
-        self._inflight = nxt
-
+    # ---- one step (StepLoop.step runs them) --------------------------------------------------
     def _finish_cancelled(self) -> None:
         for req in [r for r in self.running if r.cancelled]:
             self._finish(req, "cancelled")
@@ -481,7 +438,7 @@ class IsdEngine(StepLoop):
             self.waiting.remove(req)
             self._finish(req, "cancelled")
 
-    def _overlapped_rows(self, rows: list[_Row | None]) -> list[_Row] | None:
+    def _rows_ahead(self, rows: list[_Row | None]) -> list[_Row] | None:
         """The next step's rows if it can be launched before `rows`' results are applied, else
         None. Only when it is sure to be the same requests' decode windows: nobody waiting (no
         admission), every running request has exactly its decode row here, none cancelled,
@@ -491,20 +448,24 @@ class IsdEngine(StepLoop):
         and dropped. Allocates those pages."""
         if self.waiting or len(rows) != len(self.running):
             return None
-        need = 0
+        wanted = []   # pages each request needs for its worst-case next window
         for row in rows:
             if row is None or row.kind not in (COLD, VERIFY):
                 return None
             req = row.req
             if req.cancelled or req.done or len(req.out) + 1 >= req.options.max_new_tokens:
                 return None
-            need += max(pages_for(min(row.start + 3 * req.stride - 1, req.max_extent())) - len(req.pages), 0)
-        if need > self.kv.pool.free:
+            wanted.append(pages_for(min(row.start + 3 * req.stride - 1, req.max_extent())))
+        if sum(max(n - len(row.req.pages), 0) for row, n in zip(rows, wanted)) > self.kv.pool.free:
             return None
-        for row in rows:   # enough pages are free: never preempts
-            req = row.req
-            self._ensure_pages(req, pages_for(min(row.start + 3 * req.stride - 1, req.max_extent())))
+        for row, n in zip(rows, wanted):   # enough pages are free: never preempts
+            self._ensure_pages(row.req, n)
         return [_Row(row.req, OVERLAPPED, row.start, 2 * row.req.stride - 1) for row in rows]
+
+    def _resolve_ahead(self, launched: LaunchedStep) -> None:
+        """The step before `launched` is applied: its OVERLAPPED rows become the windows the
+        device derived, None for requests that ended meanwhile (their results are dropped)."""
+        launched.rows = [self._resolve(row) for row in launched.rows]
 
     def _resolve(self, row: _Row) -> _Row | None:
         """An OVERLAPPED row, once the step before it is applied: the window the device derived
@@ -522,7 +483,7 @@ class IsdEngine(StepLoop):
         each row's padded token / page / draft lists and its scalars; the arrays are then built
         by a fixed number of whole-array numpy operations instead of ~20 numpy stores and small
         ops per row (at 32-64 rows those were most of the host's time per step)."""
-        mask_id = self.cfg.mask_token_id if self.cfg.mask_token_id is not None else 0
+        mask_id = self.runner.mask_id
         n = len(rows)
         rb = bucket(n, ROW_BUCKETS)
         k = max((r.req.stride - 1 for r in rows if r.kind in (COLD, VERIFY, OVERLAPPED)), default=0)
@@ -575,7 +536,7 @@ class IsdEngine(StepLoop):
                         n_drafts, from_carry)
         return inp, k
 
-    def _launch(self, rows: list[_Row], overlapped: bool = False) -> _Launched:
+    def _launch(self, rows: list[_Row], overlapped: bool = False) -> LaunchedStep:
         """Build the step's inputs, run it on the device and start the copy of its results."""
         host, k = self._host_inputs(rows)
         inp = IsdInputs(*(torch.from_numpy(getattr(host, f.name)).to(self.device, non_blocking=True)
@@ -585,12 +546,10 @@ class IsdEngine(StepLoop):
         filtered = any(o.top_k > 0 or o.top_p < 1 for o in sampled)
         packed = self._device_step(inp, 2 * k + 1, filtered, bool(sampled), overlapped)
         self.forwards += 1
-        return _Launched(rows, k, *self._pinned.start_copy(packed[:len(rows)]))   # waited for in _collect
+        return LaunchedStep(rows, k, *self._pinned.start_copy(packed[:len(rows)]))
 
-    def _collect(self, launched: _Launched) -> Tensor:
-        if launched.done is not None:
-            launched.done.synchronize()
-        return launched.host
+    def _apply_step(self, launched: LaunchedStep) -> None:
+        self._apply(launched.rows, launched.results(), launched.kmax)
 
     def _apply(self, rows: list[_Row | None], packed: Tensor, k: int) -> None:
         res = packed.tolist()
