@@ -133,7 +133,12 @@ def scaled_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) 
 def draw(scaled: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF draw in vocabulary order from softmax(scaled) (float64), one uniform per row."""
     probs = torch.softmax(scaled.double(), dim=-1)
-    cdf = torch.cumsum(probs, dim=-1)
+    return inverse_cdf(probs, torch.cumsum(probs, dim=-1), u)
+
+
+def inverse_cdf(probs: Tensor, cdf: Tensor, u: Tensor) -> Tensor:
+    """The id whose CDF step holds u * total (never past the last id with mass): `draw`'s pick,
+    given float64 probabilities and their running sums over the last dim."""
     j = torch.searchsorted(cdf, (u.double() * cdf[..., -1])[..., None].contiguous(), right=True).squeeze(-1)
     last_pos = torch.where(probs > 0, torch.arange(probs.shape[-1], device=probs.device), -1).max(-1).values
     return torch.minimum(j, last_pos)

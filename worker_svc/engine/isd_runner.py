@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cde.isd.decoder import STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREAM_SAMPLE, draw
+from cde.isd.decoder import STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREAM_SAMPLE, draw, inverse_cdf
 from cde.isd.verify import onehot_logits, verify_torch
 from cde.qwen3.model import Qwen3Model
 from cde.steerling.sampling import counter_uniform
@@ -148,9 +148,7 @@ def draw_rows(scaled: Tensor, u: Tensor, few: int = 8, split: bool | None = None
     e = torch.exp(x - x.amax(-1, keepdim=True))
     probs = e / e.sum(-1, keepdim=True)
     cdf = torch.stack([torch.cumsum(probs[i], 0) for i in range(rows)])
-    j = torch.searchsorted(cdf, (u.double().reshape(rows) * cdf[:, -1])[:, None].contiguous(), right=True).squeeze(-1)
-    last_pos = torch.where(probs > 0, torch.arange(probs.shape[-1], device=probs.device), -1).max(-1).values
-    return torch.minimum(j, last_pos).view(u.shape)
+    return inverse_cdf(probs, cdf, u.reshape(rows)).view(u.shape)
 
 
 def greedy_verify(p_logits: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
