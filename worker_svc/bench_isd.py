@@ -125,7 +125,7 @@ def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_toke
     prefill(engine, handles)
     prefill_s = time.perf_counter() - t0
     s0, c0, o0, tokens0 = engine.steps, engine.compiles, engine.overlapped_steps, sum(len(h.out) for h in handles)
-    g0 = engine._graphs.captures if engine._graphs is not None else 0
+    g0 = engine.stats().graphs
     clock.reset()
     t = time.perf_counter()
     while engine.has_work():
@@ -146,8 +146,7 @@ def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_toke
             "acceptance": accepted / proposed if proposed else None, "prefill_s": prefill_s,
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
             "pages_total": engine.kv.pool.usable, "recompiles": engine.compiles - c0,
-            "graphs": engine._graphs.captures if engine._graphs is not None else 0,
-            "graphs_captured_in_run": (engine._graphs.captures - g0) if engine._graphs is not None else 0}
+            "graphs": engine.stats().graphs, "graphs_captured_in_run": engine.stats().graphs - g0}
 
 
 def op_table(prof, steps: int, cuda: bool, top: int = 40) -> dict:
@@ -278,9 +277,9 @@ def main() -> None:
     for c in concs:
         for n in strides:
             for seed in range(999, 995, -1):
-                before = engine._graphs.captures if engine._graphs is not None else 0
+                before = engine.stats().graphs
                 run_once(engine, cfg, c, args.prompt_tokens, args.new_tokens, n, seed, clock, args.temperature)
-                if engine._graphs is None or engine._graphs.captures == before:
+                if engine.stats().graphs == before:
                     break
     result["warmup_s"] = time.perf_counter() - t
     result["compiles_after_warmup"] = engine.compiles
