@@ -97,3 +97,10 @@ def test_real_file_matches_the_official_digest_and_loader():
     assert hashlib.sha256(data).hexdigest() == CL100K_SHA256
     ranks = load_tiktoken_bpe(REAL_BPE, expected_hash=CL100K_SHA256)
     assert len(ranks) == 100256 and ranks[b"hello"] == 15339
+
+
+def test_dockerfile_builds_the_file_from_the_pinned_package():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert f"ARG JS_TIKTOKEN_VERSION={build_cl100k.JS_TIKTOKEN_VERSION}\n" in dockerfile
+    assert "scripts/build_cl100k.py --tarball" in dockerfile
+    assert "ENV CDE_CL100K_BPE=/opt/cde/cl100k_base.tiktoken" in dockerfile
