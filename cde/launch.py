@@ -9,8 +9,9 @@ Redis: REDIS_URL when set, otherwise a real redis-server (the binary the redisli
 ships) started here with AOF persistence in the run directory and stopped on exit. Every
 service is a separate process bound to 127.0.0.1; only the gateway's ports are meant for
 clients (REST on 8000 and gRPC on 50050 when those are free, as in compose). Logs go to
-<run-dir>/<service>.log; a run directory the launcher made itself is removed on exit. The launcher waits for each stage's gRPC health
-(and the gateway's /health) before starting the next, and stops everything if one dies.
+<run-dir>/<service>.log; a run directory the launcher made itself is removed on exit. The
+launcher waits for each stage's gRPC health (and the gateway's /health) before starting the
+next, and stops everything if one dies.
 """
 
 from __future__ import annotations
