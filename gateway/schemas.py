@@ -2,8 +2,8 @@
 
 Bounds come from `cde.limits` (shared with steering_svc and the worker); the gRPC API, which has
 no pydantic layer, checks the same ones in gateway.pipeline, and so do the model-dependent ones
-(inject_layer, tokens_per_step, max_tokens against the context) for REST. A value outside a bound is a *semantic* error (HTTP 400); a value
-of the wrong type or shape is a *schema* error (HTTP 422) - see app._validation_status.
+(inject_layer, tokens_per_step, max_tokens against the context) for REST. A value outside a bound
+is a *semantic* error (HTTP 400); a value of the wrong type or shape is a *schema* error (HTTP 422) - see app._validation_status.
 Top-level unknown fields are ignored (OpenAI clients send vendor fields freely); our extension
 objects forbid unknown keys so a typo such as "strenght" fails loudly instead of being ignored.
 """
@@ -16,22 +16,30 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # ---- bounds shared with the gRPC API, steering_svc and the worker (all from cde.limits) ------
 from cde.limits import (  # re-exported: gateway.pipeline reads them as schemas.X
+    AMPLIFY_INJECT_LAYER,
+    AMPLIFY_TARGET,
     ATTRIBUTION_TOP_K_MAX,
     CONCEPT_NAME_MAX,
     CUTOFF_MAX,
     CUTOFF_MIN,
     DEFAULT_ATTRIBUTION_TOP_K,
     DEFAULT_CUTOFF,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_STRIDE,
     DEFAULT_STRENGTH,
+    DEFAULT_TOKENS_PER_STEP,
     MAX_CONCEPTS,
     MAX_STOP_IDS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STRIDE,
+    MAX_TOKENS_LIMIT,
     N_MAX,
     REPETITION_PENALTY_MAX,
     SEARCH_LIMIT_MAX,
+    STEERLING_SAMPLING,
     STRENGTH_MAX,
+    SUPPRESS_TARGET,
     TARGET_ABS_MAX,
     TEMPERATURE_MAX,
     TEMPERATURE_MIN,
@@ -41,6 +49,10 @@ from cde.limits import (  # re-exported: gateway.pipeline reads them as schemas.
     U32_MAX,
     U64_MAX,
 )
+
+
+_PENALTY_DOC = (f"(0, {REPETITION_PENALTY_MAX:g}]; default {STEERLING_SAMPLING.repetition_penalty:g} "
+                "(causal models: must be 1)")
 
 
 class _Ext(BaseModel):
@@ -68,15 +80,16 @@ class SteeringIn(_Ext):
     mode: Literal["amplify", "suppress"] = "amplify"
     # The model's layer count is not known to the schema: gateway.pipeline checks [1, n_layers].
     inject_layer: Annotated[int, Field(ge=1, le=U32_MAX, description=(
-        "first layer (from 1) that gets the direction, in [1, n_layers]; default amplify min(8, n_layers), "
-        "suppress max(1, n_layers // 2)"))] | None = None
+        f"first layer (from 1) that gets the direction, in [1, n_layers]; default amplify "
+        f"min({AMPLIFY_INJECT_LAYER}, n_layers), suppress max(1, n_layers // 2)"))] | None = None
     schedule: Literal["default", "fixed", "hard_cutoff"] = "default"
     cutoff: Annotated[int, Field(ge=CUTOFF_MIN, le=CUTOFF_MAX, description=(
-        f"hard_cutoff: tokens steered before steering stops, [{CUTOFF_MIN}, {CUTOFF_MAX}], default {DEFAULT_CUTOFF}"))] \
+        f"hard_cutoff: tokens steered before steering stops, [{CUTOFF_MIN}, {CUTOFF_MAX}], "
+        f"default {DEFAULT_CUTOFF}"))] \
         | None = None
     target: Annotated[float, Field(ge=-TARGET_ABS_MAX, le=TARGET_ABS_MAX, allow_inf_nan=False, description=(
-        f"[-{TARGET_ABS_MAX:g}, {TARGET_ABS_MAX:g}]; amplify: logit units (default 8), suppress: raw alpha "
-        "(default -7)"))] | None = None
+        f"[-{TARGET_ABS_MAX:g}, {TARGET_ABS_MAX:g}]; amplify: logit units (default {AMPLIFY_TARGET:g}), "
+        f"suppress: raw alpha (default {SUPPRESS_TARGET:g})"))] | None = None
 
     @model_validator(mode="after")
     def _cutoff_needs_hard_cutoff(self) -> SteeringIn:
@@ -88,17 +101,19 @@ class SteeringIn(_Ext):
 class DecodeIn(_Ext):
     # The block size is the model's: gateway.pipeline checks the upper bound.
     tokens_per_step: Annotated[int, Field(ge=1, le=U32_MAX, description=(
-        "positions committed per denoising step, [1, diffusion block size]; default 1"))] | None = None
+        f"positions committed per denoising step, [1, diffusion block size]; default {DEFAULT_TOKENS_PER_STEP}"))] \
+        | None = None
     threshold: Annotated[float, Field(gt=0.0, le=THRESHOLD_MAX, allow_inf_nan=False, description=(
         "commit every position at or above this confidence, (0, 1]"))] | None = None
     stride: Annotated[int, Field(ge=0, le=MAX_STRIDE, description=(
-        f"causal models: tokens per forward, [1, {MAX_STRIDE}] (1 = plain autoregressive); 0 = default 4"))] = 0
+        f"causal models: tokens per forward, [1, {MAX_STRIDE}] (1 = plain autoregressive); "
+        f"0 = default {DEFAULT_STRIDE}"))] = 0
 
 
 class SamplingIn(_Ext):
     use_entropy_sampling: bool | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_PENALTY_MAX, allow_inf_nan=False, description=(
-        f"(0, {REPETITION_PENALTY_MAX:g}]; default 1.1 (causal models: must be 1)"))] | None = None
+        _PENALTY_DOC))] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -125,11 +140,14 @@ class _GenerationFields(BaseModel):
     model: str | None = None
     # --max-tokens-limit and the context are the server's and the model's: gateway.pipeline checks them.
     max_tokens: Annotated[int, Field(ge=1, le=U32_MAX, description=(
-        "[1, --max-tokens-limit (default 1024)], prompt + max_tokens within the context; default 128"))] | None = None
+        f"[1, --max-tokens-limit (default {MAX_TOKENS_LIMIT})], prompt + max_tokens within the context; "
+        f"default {DEFAULT_MAX_TOKENS}"))] | None = None
     temperature: Annotated[float, Field(ge=TEMPERATURE_MIN, le=TEMPERATURE_MAX, allow_inf_nan=False, description=(
-        f"[{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}], 0 = greedy; setting it turns entropy sampling off"))] | None = None
+        f"[{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}], 0 = greedy; setting it turns entropy sampling off"))] \
+        | None = None
     top_p: Annotated[float, Field(ge=TOP_P_MIN, le=TOP_P_MAX, allow_inf_nan=False,
-                                  description=f"[{TOP_P_MIN:g}, {TOP_P_MAX:g}]; default 0.8")] | None = None
+                                  description=f"[{TOP_P_MIN:g}, {TOP_P_MAX:g}]; "
+                                              f"default {STEERLING_SAMPLING.top_p:g}")] | None = None
     seed: Annotated[int, Field(ge=0, le=U64_MAX, description="[0, 2^64 - 1]; unset = server-chosen")] | None = None
     stop: Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)] | \
         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
@@ -144,7 +162,7 @@ class _GenerationFields(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="not supported: empty or unset")
     # extensions
     repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_PENALTY_MAX, allow_inf_nan=False, description=(
-        f"(0, {REPETITION_PENALTY_MAX:g}]; default 1.1 (causal models: must be 1)"))] | None = None
+        _PENALTY_DOC))] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=U32_MAX)]],
                               Field(max_length=MAX_STOP_IDS,
                                     description=f"at most {MAX_STOP_IDS} vocabulary ids")] | None = None

@@ -104,6 +104,30 @@ def test_sampling_defaults_match_the_model_sampler() -> None:
         k: getattr(SamplingParams(), k) for k in dataclasses.asdict(L.STEERLING_SAMPLING)}
 
 
+def test_causal_worker_options_use_the_same_bounds() -> None:
+    """The causal worker's option parsing (no stack: the causal stack is tests/test_causal_serving.py)."""
+    from worker_svc.causal import isd_options
+    from worker_svc.validation import BadRequest
+
+    def opts(**sampling: float):
+        return isd_options(common_pb2.DecodeOptions(max_new_tokens=4, isd_stride=L.MAX_STRIDE, seed=1),
+                           common_pb2.SamplingOptions(**sampling), L.MAX_STRIDE)
+
+    assert opts(temperature=L.TEMPERATURE_MAX, top_p=L.TOP_P_MAX).temperature == L.TEMPERATURE_MAX
+    greedy = opts(temperature=1.0, top_p=L.TOP_P_MIN)   # the gateway lets top_p 0 through: greedy
+    assert greedy.greedy and greedy.top_p == 1.0
+    defaults = opts()
+    assert (defaults.temperature, defaults.top_p) == (L.CAUSAL_SAMPLING.temperature, L.CAUSAL_SAMPLING.top_p)
+    for bad, field in (({"temperature": above32(L.TEMPERATURE_MAX)}, "temperature"),
+                       ({"temperature": below32(L.TEMPERATURE_MIN)}, "temperature"),
+                       ({"top_p": above32(L.TOP_P_MAX)}, "top_p"), ({"top_p": below32(L.TOP_P_MIN)}, "top_p")):
+        with pytest.raises(BadRequest, match=field):
+            opts(**bad)
+    with pytest.raises(BadRequest, match="isd_stride"):
+        isd_options(common_pb2.DecodeOptions(max_new_tokens=4, isd_stride=L.MAX_STRIDE + 1),
+                    common_pb2.SamplingOptions(), L.MAX_STRIDE)
+
+
 # ---- the stack ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
@@ -272,7 +296,8 @@ def test_openapi_states_the_bounds(client: httpx.Client) -> None:
     def prop(model: str, name: str) -> dict[str, Any]:
         p = schemas[model]["properties"][name]
         if "anyOf" in p:   # optional fields: the non-null branch carries the bounds
-            p = {**next(b for b in p["anyOf"] if b.get("type") != "null"), **{k: v for k, v in p.items() if k != "anyOf"}}
+            branch = next(b for b in p["anyOf"] if b.get("type") != "null")
+            p = {**branch, **{k: v for k, v in p.items() if k != "anyOf"}}
         return p
 
     expected = [
@@ -356,8 +381,8 @@ def test_public_grpc_and_steering_svc_apply_the_same_bounds(stack) -> None:
             extra_strength = [("strength max", L.STRENGTH_MAX, None),
                               ("strength above", above32(L.STRENGTH_MAX), "strength")]
             cases = [(w, steering_request(**f), p) for w, f, p in STEERING_CASES]
-            cases += [(w, common_pb2.SteeringRequest(concepts=[common_pb2.SteeringConcept(name="ocean", strength=s)]), p)
-                      for w, s, p in extra_strength]
+            cases += [(w, common_pb2.SteeringRequest(concepts=[common_pb2.SteeringConcept(name="ocean", strength=x)]),
+                       p) for w, x, p in extra_strength]
             many = [common_pb2.SteeringConcept(concept_id=i) for i in range(L.MAX_CONCEPTS + 1)]
             cases += [("concepts max", common_pb2.SteeringRequest(concepts=many[:-1]), None),
                       ("concepts too many", common_pb2.SteeringRequest(concepts=many), "concepts")]

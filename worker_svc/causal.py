@@ -72,10 +72,10 @@ def isd_options(d: common_pb2.DecodeOptions, sp: common_pb2.SamplingOptions, max
         raise BadRequest("sampling.use_entropy_sampling applies to block-diffusion models only")
     if sp.HasField("repetition_penalty") and sp.repetition_penalty != 1.0:
         raise BadRequest("sampling.repetition_penalty must be 1 for causal (ISD) decoding")
-    d = L.CAUSAL_SAMPLING
-    temperature = sp.temperature if sp.HasField("temperature") else d.temperature
-    top_p = sp.top_p if sp.HasField("top_p") else d.top_p
-    check_sampling(temperature, top_p, d.repetition_penalty)
+    defaults = L.CAUSAL_SAMPLING
+    temperature = sp.temperature if sp.HasField("temperature") else defaults.temperature
+    top_p = sp.top_p if sp.HasField("top_p") else defaults.top_p
+    check_sampling(temperature, top_p, defaults.repetition_penalty)
     if top_p == 0.0:   # the nucleus of mass 0 is the most likely token alone: greedy (as Steerling reads it)
         temperature, top_p = 0.0, 1.0
     seed = d.seed if d.HasField("seed") else 0
