@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from cde import limits as L
 from cde.qwen3.config import IDLM_8B, TINY, Qwen3Config
 from cde.rpc.v1 import common_pb2, worker_pb2
 from worker_svc.engine.isd_engine import (
@@ -33,7 +34,7 @@ from worker_svc.engine.isd_engine import (
     IsdFinishEvent,
     IsdOptions,
 )
-from worker_svc.validation import BadRequest, checked_prompt, signed_seed
+from worker_svc.validation import BadRequest, check_sampling, check_stop_ids, checked_prompt, signed_seed
 
 BLOCK = 64
 CHUNK_TOKENS = 16   # tokens per streamed chunk: latency vs one Redis write per chunk
@@ -71,12 +72,12 @@ def isd_options(d: common_pb2.DecodeOptions, sp: common_pb2.SamplingOptions, max
         raise BadRequest("sampling.use_entropy_sampling applies to block-diffusion models only")
     if sp.HasField("repetition_penalty") and sp.repetition_penalty != 1.0:
         raise BadRequest("sampling.repetition_penalty must be 1 for causal (ISD) decoding")
-    temperature = sp.temperature if sp.HasField("temperature") else 1.0
-    top_p = sp.top_p if sp.HasField("top_p") else 1.0
-    if not (temperature >= 0 and temperature < float("inf")):
-        raise BadRequest(f"sampling.temperature must be a finite number >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise BadRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
+    defaults = L.CAUSAL_SAMPLING
+    temperature = sp.temperature if sp.HasField("temperature") else defaults.temperature
+    top_p = sp.top_p if sp.HasField("top_p") else defaults.top_p
+    check_sampling(temperature, top_p, defaults.repetition_penalty)
+    if top_p == 0.0:   # the nucleus of mass 0 is the most likely token alone: greedy (as Steerling reads it)
+        temperature, top_p = 0.0, 1.0
     seed = d.seed if d.HasField("seed") else 0
     return IsdOptions(max_new_tokens=d.max_new_tokens, stride=stride, temperature=float(temperature),
                       top_p=float(top_p), seed=signed_seed(seed), stop_ids=tuple(d.stop_ids))
@@ -91,9 +92,7 @@ def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_li
     if len(prompt) + options.max_new_tokens > cfg.max_positions:
         raise BadRequest(f"prompt ({len(prompt)}) + max_new_tokens ({options.max_new_tokens}) exceeds the "
                                f"context of {cfg.max_positions}")
-    stops = [t for t in req.decode.stop_ids if t >= token_limit]
-    if stops:
-        raise BadRequest(f"decode.stop_ids {stops[:4]} are outside the vocabulary ({token_limit})")
+    check_stop_ids(list(req.decode.stop_ids), token_limit)
     committed = list(req.committed_tokens)
     if any(t >= cfg.vocab_size for t in committed) or len(committed) >= options.max_new_tokens:
         raise BadRequest("committed_tokens must be vocabulary ids, fewer than max_new_tokens")
