@@ -196,7 +196,9 @@ class OpenAIFormatter:
     def step_chunk(self, s: common_pb2.StepEvent) -> dict[str, Any]:
         return {"id": self.id, "object": "cde.step", "created": self.created, "model": self.model, "choices": [],
                 "cde": {"step": s.step, "block_index": s.block_index, "positions": list(s.positions),
-                        "tokens": list(s.tokens)}}
+                        "tokens": list(s.tokens),
+                        # each token's own text, for clients that draw the block as it fills (/ui)
+                        "texts": [token_text(self.tokenizer, t) for t in s.tokens]}}
 
     def final_chunk(self, finish_reason: str) -> dict[str, Any]:
         return self._chunk([self._choice(None if self.chat else "", finish_reason)])
