@@ -51,7 +51,7 @@ def load_assets(root: Path = STATIC_DIR) -> dict[str, Asset]:
 _LANDING = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>CDE gateway</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<link rel="stylesheet" href="/ui/ui.css"></head>
+<link rel="stylesheet" href="/ui/ui.css"><link rel="icon" href="/ui/favicon.svg" type="image/svg+xml"></head>
 <body class="landing"><main>
 <h1>CDE gateway</h1>
 <p>Interpretable, steerable block-diffusion generation behind an OpenAI-compatible API.</p>

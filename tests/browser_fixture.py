@@ -66,5 +66,7 @@ def set_viewport(driver, width: int, height: int) -> None:  # noqa: ANN001 - a s
 
 
 def console_errors(driver) -> list[str]:  # noqa: ANN001 - a selenium WebDriver
-    """Severe browser-console entries since the last call (script errors, CSP refusals)."""
-    return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+    """Severe browser-console entries since the last call (script errors, CSP refusals); failed
+    HTTP requests are left out: the API answering 401 or 404 is the page's business to show."""
+    return [e["message"] for e in driver.get_log("browser")
+            if e.get("level") == "SEVERE" and e.get("source") != "network"]
