@@ -286,3 +286,82 @@ def test_narrow_window_has_no_horizontal_scroll(stack, driver) -> None:
         assert unnamed == []
     finally:
         set_viewport(driver, 1280, 800)
+
+
+@pytest.fixture(scope="module")
+def causal_stack(tmp_path_factory) -> Iterator:
+    from cde.launch import ROOT
+    with running_stack(tmp_path_factory.mktemp("ui-causal-stack"), model_dir=ROOT / "models" / "idlm-tiny") as s:
+        yield s
+
+
+def test_causal_model_marks_accepted_rejected_and_bonus_tokens(causal_stack, driver) -> None:
+    """The bundled I-DLM: no steering or concepts; each forward's accepted drafts, the rejected one
+    and the bonus are marked as the API's step events say, with tokens per forward and acceptance."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    stack = causal_stack
+    driver.get(stack.base_url + "/ui")
+    wait_for(lambda: "causal" in driver.find_element(By.ID, "model-info").text, 30, "model info")
+    assert not driver.find_element(By.ID, "steering").is_displayed()
+    assert driver.find_element(By.ID, "opt-stride").is_displayed()
+    assert not driver.find_element(By.ID, "opt-tokens-per-step").is_displayed()
+    seed, max_tokens = 3, 64
+    set_field(driver, "prompt", PROMPT)
+    set_field(driver, "opt-seed", str(seed))
+    set_field(driver, "opt-max-tokens", str(max_tokens))
+    set_field(driver, "opt-temperature", "0.7")
+    Select(driver.find_element(By.ID, "opt-pace")).select_by_value(str(PACE_MS))
+    driver.find_element(By.ID, "run").click()
+    run = wait_for(lambda: [r for r in driver.find_elements(By.CSS_SELECTOR, ".run")
+                            if r.get_attribute("data-state") in ("done", "error")], 300, "the run to finish")[0]
+    assert run.get_attribute("data-state") == "done", driver.find_element(By.ID, "error").text
+
+    body = {"model": "idlm-tiny", "stream": True, "stream_mode": "steps", "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens, "seed": seed, "temperature": 0.7, "decode": {"stride": 4},
+            "messages": [{"role": "user", "content": PROMPT}]}
+    events = []
+    with httpx.Client(base_url=stack.base_url, timeout=120) as c, \
+            c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:") and line != "data: [DONE]"]
+    steps = [e["cde"] for e in events if e["object"] == "cde.step"]
+    text = "".join((ch.get("delta") or {}).get("content") or "" for e in events
+                   if e["object"] != "cde.step" for ch in e["choices"])
+    usage = next(e for e in events if e.get("usage"))
+    # the step events are the forwards of this very completion: together they are its tokens, and a
+    # rejected draft never equals the correction in its place (the residual has no mass there)
+    blocks = [t for e in events if e["object"] != "cde.step" for t in (e.get("cde") or {}).get("tokens", [])]
+    assert [t for s in steps for t in s["tokens"]] == blocks
+    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
+    for s in steps:
+        assert 0 <= s["drafts_accepted"] <= s["drafts_proposed"] <= 3
+        if "rejected_token" in s:
+            assert s["drafts_accepted"] < s["drafts_proposed"] and s["rejected_token"] != s["tokens"][s["drafts_accepted"]]
+    assert run.find_element(By.CLASS_NAME, "committed").get_attribute("textContent") == text
+    stats = run.find_element(By.CLASS_NAME, "run-stats").text
+    assert f"forward {steps[-1]['step']}" in stats
+    assert f"final: {usage['usage']['completion_tokens']} tokens in {usage['cde']['forwards']} forwards" in stats
+    proposed = sum(s["drafts_proposed"] for s in steps)
+    if proposed:
+        pct = 100 * sum(s["drafts_accepted"] for s in steps) / proposed
+        assert f"acceptance {pct:.0f} %" in stats
+    # the forward log (newest first, the last 8) marks each token as the API's event says
+    shown = run.find_elements(By.CSS_SELECTOR, ".forward-log li")
+    assert shown and len(shown) == min(8, len(steps))
+    for li, s in zip(shown, reversed(steps)):
+        assert li.text.startswith(f"forward {s['step']}:")
+        kinds = [m.get_attribute("class").split()[-1] for m in li.find_elements(By.CLASS_NAME, "tok-mark")]
+        want = []
+        for i in range(len(s["tokens"])):
+            if i == s["drafts_accepted"] and "rejected_token" in s:
+                want.append("rejected")
+            if not s["drafts_proposed"]:
+                want.append("cold")
+            elif i < s["drafts_accepted"]:
+                want.append("accepted")
+            else:
+                want.append("bonus" if s["drafts_accepted"] == s["drafts_proposed"] else "correction")
+        assert kinds == want, (s, kinds)
+    assert console_errors(driver) == []
