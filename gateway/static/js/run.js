@@ -280,7 +280,8 @@ export class RunView {
       if (this.forwards) parts.push(`${(this.tokens / this.forwards).toFixed(2)} tokens/forward`);
       if (this.proposed) parts.push(`acceptance ${(100 * this.accepted / this.proposed).toFixed(0)} %`);
     } else {
-      parts.push(`step ${this.steps}`, `${this.tokens} tokens`, `${this.blocks || 0} blocks committed`);
+      const blocks = this.blocks || 0;
+      parts.push(`step ${this.steps}`, `${this.tokens} tokens`, `${blocks} block${blocks === 1 ? "" : "s"} committed`);
     }
     if (this.usage) {
       const u = this.usage;
