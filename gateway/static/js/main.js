@@ -117,6 +117,8 @@ async function run(ev) {
     title: r.title, causal: state.causal, blockSize: state.blockSize, maxTokens: num("opt-max-tokens") ?? 128, pace,
     onToken: (ta, view) => inspector.showToken(ta, view), onConcept: (c) => inspector.showConcept(c),
   }));
+  // narrow window: the output is below the request, bring it into view
+  if (matchMedia("(max-width: 900px)").matches) container.scrollIntoView({ block: "start" });
   window.cdeRuns = views;   // for the browser console (and nothing else reads it)
   updateCurl();
   const results = await Promise.allSettled(runs.map(async (r, i) => {
