@@ -33,6 +33,7 @@ from gateway.metrics import CONTENT_TYPE
 from gateway.pipeline import GenerationStream, Pipeline
 from gateway.middleware import AuthMiddleware, BodyLimitMiddleware
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from gateway.ui import ui_router
 from gateway.translate import OpenAIFormatter, RestOptions, block_cde_json, chat_to_proto, completion_to_proto
 
 log = logging.getLogger("gateway.rest")
@@ -415,6 +416,7 @@ def build_app(pipeline: Pipeline, *, auth: ApiKeyAuth | None = None,
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_internal_error)
     app.include_router(router)
+    app.include_router(ui_router())   # the live view at /ui, linked from /
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_error=pipeline.metrics.failed)
     # outermost: keys are checked before the body is even read
     app.add_middleware(AuthMiddleware, auth=auth or ApiKeyAuth(()), on_error=pipeline.metrics.failed)

@@ -11,4 +11,12 @@ if [ -z "${CDE_CL100K_BPE:-}" ]; then
   CDE_CL100K_BPE="$(.venv/bin/python scripts/build_cl100k.py)"
   export CDE_CL100K_BPE
 fi
+# The live view's browser tests drive Debian's Chromium (nothing is downloaded at test time).
+if { ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; } && command -v apt-get >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "scripts/test.sh: chromium / chromium-driver missing; the browser tests will fail (apt-get install -y chromium chromium-driver as root)" >&2
+  fi
+fi
 exec .venv/bin/python -m pytest "$@"

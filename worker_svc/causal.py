@@ -50,6 +50,7 @@ class CausalJob:
     committed: list[int]
     next_step: int
     stop_ids: frozenset[int]
+    stream_steps: bool = False   # one StepEvent per forward (accepted drafts, bonus / correction)
 
 
 def causal_preset_name(cfg: Qwen3Config) -> str:
@@ -101,7 +102,7 @@ def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_li
         raise BadRequest(f"the request needs {pages} KV pages; this worker has {pages_usable}",
                                grpc.StatusCode.RESOURCE_EXHAUSTED)
     return CausalJob(req.request_id, prompt, options, committed, req.next_step,
-                     frozenset(cfg.eos_token_ids) | frozenset(req.decode.stop_ids))
+                     frozenset(cfg.eos_token_ids) | frozenset(req.decode.stop_ids), req.stream_steps)
 
 
 def completion_length(tokens: list[int], stops: frozenset[int]) -> int:
@@ -146,6 +147,19 @@ class ChunkWriter:
         return completion_length(self.tokens, self.job.stop_ids)
 
 
+def forward_step(job: CausalJob, ev: IsdCommitEvent, chunk_tokens: int = CHUNK_TOKENS) -> common_pb2.StepEvent:
+    """One forward's tokens at their absolute positions, with what it verified: the first
+    `drafts_accepted` are accepted drafts, the next the bonus or the correction of `rejected_token`.
+    block_index is the chunk the forward's first token lands in (ChunkWriter's numbering)."""
+    first = len(job.prompt) + ev.start
+    out = common_pb2.StepEvent(step=ev.step, block_index=len(job.prompt) // BLOCK + ev.start // chunk_tokens,
+                               positions=range(first, first + len(ev.tokens)), tokens=ev.tokens,
+                               drafts_proposed=ev.proposed, drafts_accepted=ev.accepted)
+    if ev.rejected is not None:
+        out.rejected_token = ev.rejected
+    return out
+
+
 def isd_usage(prompt_tokens: int, completion_tokens: int, forwards: int, acceptance: float) -> common_pb2.Usage:
     return common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, steps=forwards,
                             forwards=forwards, tokens_per_forward=completion_tokens / forwards if forwards else 0.0,
@@ -175,6 +189,8 @@ async def causal_submit(servicer, request, context):
         try:
             async for ev in stream:
                 if isinstance(ev, IsdCommitEvent):
+                    if job.stream_steps:
+                        yield worker_pb2.WorkerEvent(step=forward_step(job, ev))
                     writer.add(ev.tokens)
                     for block in writer.chunks(ev.step, final=False):
                         yield worker_pb2.WorkerEvent(block=block)
