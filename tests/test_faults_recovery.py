@@ -498,3 +498,17 @@ def log_text_path(path) -> str:
         return path.read_text(errors="replace")
     except OSError:
         return ""
+
+
+def test_compose_turns_the_internal_token_on_for_every_cde_service():
+    import yaml
+
+    from cde.launch import ROOT
+
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    for name, svc in compose["services"].items():
+        if name == "redis":
+            continue
+        assert svc["environment"][TOKEN_FILE_ENV] == "/run/secrets/internal_token", name
+        assert "internal_token" in svc["secrets"], name
+    assert compose["secrets"]["internal_token"]["file"] == "./secrets/internal_token"
