@@ -104,14 +104,14 @@ def test_burst_at_default_limits_gets_only_200s_and_429s(tmp_path, report):
 # 2. Resume while Redis is away: the request keeps running; /health follows Redis (item 9)
 # =========================================================================================
 
-def _submit_request(seed: int, max_new: int) -> scheduler_pb2.SubmitRequest:
+async def _submit_request(seed: int, max_new: int) -> scheduler_pb2.SubmitRequest:
     """What the gateway would send the scheduler (its own Pipeline.prepare, no backends needed)."""
     pipeline = Pipeline(ModelCard.load(DEFAULT_MODEL), None, Limits(max_tokens_limit=1024), GatewayMetrics(MODEL))
     req = generate_pb2.GenerateRequest(
         request_id=f"rd-{uuid.uuid4().hex}", model=MODEL, prompt="Once upon a time",
         decode=common_pb2.DecodeOptions(max_new_tokens=max_new, seed=seed),
         attribution=common_pb2.ATTRIBUTION_CHUNKS)
-    return asyncio.run(pipeline.prepare(req)).submit
+    return (await pipeline.prepare(req)).submit
 
 
 async def _read_blocks(call, st: GrpcStream, until_blocks: int | None = None) -> None:
@@ -135,7 +135,7 @@ def test_resume_during_a_redis_outage_leaves_the_request_running_and_health_foll
         rds = redis.Redis.from_url(stack.redis.url)
 
         async def scenario(seed: int):
-            submit = _submit_request(seed, 900)
+            submit = await _submit_request(seed, 900)
             rid = submit.request_id
             async with grpc.aio.insecure_channel(f"127.0.0.1:{sport}") as ch:
                 first = GrpcStream(request_id=rid)
