@@ -11,7 +11,10 @@ service is a separate process bound to 127.0.0.1; only the gateway's ports are m
 clients (REST on 8000 and gRPC on 50050 when those are free, as in compose). Logs go to
 <run-dir>/<service>.log; a run directory the launcher made itself is removed on exit. The
 launcher waits for each stage's gRPC health (and the gateway's /health) before starting the
-next, and stops everything if one dies.
+next. Then it supervises: a service that dies is started again with the same command line
+(after 1 s, doubling per recent restart up to 30 s; said on the launcher's output and in the
+service's log), so the failover the services implement works on a laptop too. It stops on
+Ctrl-C / SIGTERM, or when one service crash-loops (5 restarts within 60 s).
 """
 
 from __future__ import annotations
@@ -48,6 +51,15 @@ class Service:
     proc: subprocess.Popen | None = None
     log: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    restarts: list[float] = field(default_factory=list)   # time.monotonic() of each supervised restart
+    restart_at: float | None = None                        # when the pending restart is due
+
+
+# Supervision (Stack.supervise): backoff before restarting a dead service, and what counts as a
+# crash loop (that many restarts of one service within the window stop the stack).
+RESTART_BACKOFF_S = (1.0, 30.0)
+CRASH_LOOP_RESTARTS = 5
+CRASH_LOOP_WINDOW_S = 60.0
 
 
 def grpc_serving(port: int, timeout: float = 1.0) -> bool:
@@ -156,6 +168,37 @@ class Stack:
                                    + "\n".join(f"--- {s.name}\n{self.log_tail(s)}" for s in pending))
             time.sleep(0.3)
 
+    def supervise(self) -> None:
+        """One supervision round: schedule a restart (with backoff) for each service that died,
+        start those that are due. RuntimeError when one crash-loops."""
+        now = time.monotonic()
+        if self.redis is not None and not self.redis.running():
+            print("redis      died; restarting it (AOF keeps the state)", flush=True)
+            self.redis.restart()
+        for svc in self.services:
+            if svc.proc is None or svc.proc.poll() is None:
+                continue
+            recent = [t for t in svc.restarts if now - t < CRASH_LOOP_WINDOW_S]
+            if svc.restart_at is None:
+                if len(recent) >= CRASH_LOOP_RESTARTS:
+                    raise RuntimeError(f"{svc.name} crash-loops ({len(recent)} restarts within "
+                                       f"{CRASH_LOOP_WINDOW_S:.0f} s; exit code {svc.proc.returncode}):\n"
+                                       f"{self.log_tail(svc)}")
+                first, most = RESTART_BACKOFF_S
+                delay = min(first * 2 ** len(recent), most)
+                svc.restart_at = now + delay
+                print(f"{svc.name:<10} exited with {svc.proc.returncode}; restarting in {delay:.0f} s "
+                      f"(restart {len(recent) + 1} within {CRASH_LOOP_WINDOW_S:.0f} s)", flush=True)
+            elif now >= svc.restart_at:
+                svc.restart_at = None
+                svc.restarts.append(now)
+                with svc.log.open("ab") as log:
+                    log.write(f"---- cde.launch: {svc.name} exited with {svc.proc.returncode}; "
+                              f"restarting it ----\n".encode())
+                    svc.proc = subprocess.Popen(svc.args, cwd=ROOT, env=self.env, stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
+                print(f"{svc.name:<10} restarted, pid {svc.proc.pid}", flush=True)
+
     def stop(self) -> None:
         for svc in reversed(self.services):
             if svc.proc and svc.proc.poll() is None:
@@ -243,12 +286,10 @@ def main() -> None:
                 print(f"  chunk [{ch['start']}:{ch['end']}): {tops}")
         if args.exit:
             return
-        print("Ctrl-C stops everything.", flush=True)
+        print("Ctrl-C stops everything; a service that dies is restarted.", flush=True)
         while not stop["now"]:
-            for svc in stack.services:
-                if svc.proc.poll() is not None:
-                    raise RuntimeError(f"{svc.name} exited with {svc.proc.returncode}:\n{stack.log_tail(svc)}")
-            time.sleep(1)
+            stack.supervise()
+            time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     finally:

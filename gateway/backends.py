@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cde.rpc import channel_options
+from cde.rpc.internal_auth import internal_channel
 from cde.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc, steering_pb2_grpc
 
 SCHEDULER_SERVICE = "cde.v1.Scheduler"
@@ -37,6 +37,7 @@ class Backends:
     scheduler_addr: str
     steering_addr: str
     scheduler: scheduler_pb2_grpc.SchedulerStub = field(init=False)
+    scheduler_channel: grpc.aio.Channel | None = field(init=False, default=None)
     steering: steering_pb2_grpc.SteeringStub | None = field(init=False, default=None)
     _channels: list[grpc.aio.Channel] = field(init=False, default_factory=list)
     _health: dict[str, tuple[health_pb2_grpc.HealthStub, str]] = field(init=False, default_factory=dict)
@@ -45,12 +46,13 @@ class Backends:
     def open(cls, scheduler_addr: str, steering_addr: str) -> Backends:
         """Create the channels (lazy: nothing connects until the first call)."""
         b = cls(scheduler_addr, steering_addr)
-        sched = grpc.aio.insecure_channel(scheduler_addr, options=channel_options())
+        sched = internal_channel(scheduler_addr)
         b._channels = [sched]
+        b.scheduler_channel = sched
         b.scheduler = scheduler_pb2_grpc.SchedulerStub(sched)
         b._health = {"scheduler": (health_pb2_grpc.HealthStub(sched), SCHEDULER_SERVICE)}
         if steering_addr:   # "" for a causal model: it has no concepts to steer
-            steer = grpc.aio.insecure_channel(steering_addr, options=channel_options())
+            steer = internal_channel(steering_addr)
             b._channels.append(steer)
             b.steering = steering_pb2_grpc.SteeringStub(steer)
             b._health["steering"] = (health_pb2_grpc.HealthStub(steer), STEERING_SERVICE)

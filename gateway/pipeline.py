@@ -9,13 +9,23 @@ resolved (every SamplingOptions field set, max_new_tokens/tokens_per_step/seed c
 downstream has to know the defaults. `Pipeline.open` starts the scheduler stream and returns a
 `GenerationStream`; closing it cancels the scheduler call (that is how a client disconnect frees
 the request's KV pages).
+
+The gateway holds the request id, so a broken scheduler stream (scheduler restart, a Redis
+hiccup there) is reattached here, not by the client: `GenerationStream` re-Submits the same
+request (idempotent) when it was not accepted yet, else Resumes after the last block it has,
+with bounded retries and backoff inside the request's deadline. A client sees a scheduler
+restart as latency. An error that ended the request itself (the scheduler marks it with
+`cde-request-ended` trailing metadata) is reported, never retried.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import math
 import secrets
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +43,8 @@ from gateway.backends import Backends
 from gateway.detok import BlockDetokenizer
 from gateway.errors import GatewayError, from_rpc_error, invalid
 from gateway.metrics import GatewayMetrics, RequestTimer
+
+log = logging.getLogger("gateway.pipeline")
 
 # The model's sampler defaults (a test keeps them equal to cde.steerling.sampling.SamplingParams);
 # from cde.limits so the gateway never imports torch.
@@ -98,6 +110,7 @@ class Limits:
     default_max_tokens: int = L.DEFAULT_MAX_TOKENS
     request_timeout_s: float | None = 600.0   # whole generation; None = no deadline
     backend_timeout_s: float = 10.0           # unary calls (steering, search, cancel)
+    reattach_s: float = 30.0                  # how long a broken scheduler stream is retried without progress
 
 
 @dataclass
@@ -316,13 +329,19 @@ class Pipeline:
             t = client_remaining if t is None else min(t, client_remaining)
         return t
 
+    def _reattach(self, timeout: float | None, submit: scheduler_pb2.SubmitRequest | None) -> Reattach:
+        return Reattach(self.backends.scheduler, self.backends.scheduler_channel, submit,
+                        None if timeout is None else time.monotonic() + timeout, self.limits.reattach_s)
+
     def open(self, prepared: Prepared, timer: RequestTimer | None = None,
              client_remaining: float | None = None) -> GenerationStream:
-        call = self.backends.scheduler.Submit(prepared.submit, timeout=self._timeout(client_remaining))
+        timeout = self._timeout(client_remaining)
+        call = self.backends.scheduler.Submit(prepared.submit, timeout=timeout)
         self.metrics.prompt_tokens.labels(self.model.id).inc(prepared.prompt_tokens)
         return GenerationStream(call, BlockDetokenizer(self.model.tokenizer, prepared.submit.decode.stop_ids),
                                 timer or self.metrics.request(), prepared.seed, prepared.prompt_tokens,
-                                isd=self.model.causal)
+                                isd=self.model.causal, request_id=prepared.submit.request_id,
+                                reattach=self._reattach(timeout, prepared.submit))
 
     def resume(self, req: common_pb2.ResumeRequest, client_remaining: float | None = None) -> GenerationStream:
         if not req.request_id:
@@ -330,11 +349,12 @@ class Pipeline:
         # Replay from the first block and only prime the detokenizer with the blocks the client
         # already has: a character split across the resume point then decodes as it did in the
         # original stream (a fresh decoder would print U+FFFD for its tail bytes).
-        call = self.backends.scheduler.Resume(common_pb2.ResumeRequest(request_id=req.request_id),
-                                              timeout=self._timeout(client_remaining))
+        timeout = self._timeout(client_remaining)
+        call = self.backends.scheduler.Resume(common_pb2.ResumeRequest(request_id=req.request_id), timeout=timeout)
         return GenerationStream(call, BlockDetokenizer(self.model.tokenizer), self.metrics.request(), 0, 0,
                                 skip_through=req.after_block if req.HasField("after_block") else None,
-                                isd=self.model.causal)
+                                isd=self.model.causal, request_id=req.request_id,
+                                reattach=self._reattach(timeout, None))
 
     # ---- unary ------------------------------------------------------------------------------
     async def cancel(self, request_id: str) -> common_pb2.CancelResponse:
@@ -400,6 +420,77 @@ class Pipeline:
         return generate_pb2.ListModelsResponse(models=[self.model.info()])
 
 
+# Scheduler errors a stream is reattached after (unless the request itself ended with them).
+REATTACH_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+REQUEST_ENDED_MD = "cde-request-ended"   # scheduler_svc.service.REQUEST_ENDED_MD
+REATTACH_BACKOFF_S = (0.05, 1.0)         # first and largest pause between attempts
+
+
+def _request_ended(err: grpc.aio.AioRpcError) -> bool:
+    try:
+        return any(k == REQUEST_ENDED_MD for k, _ in (err.trailing_metadata() or ()))
+    except Exception:  # noqa: BLE001 - metadata of a broken call may be unavailable
+        return False
+
+
+@dataclass
+class Reattach:
+    """How a `GenerationStream` gets its scheduler call back after the stream broke."""
+
+    scheduler: object                                # SchedulerStub
+    channel: grpc.aio.Channel | None                 # its channel: waited on (bounded) before a new call
+    submit: scheduler_pb2.SubmitRequest | None      # None: a Resume stream (never re-Submitted)
+    deadline: float | None                          # time.monotonic() the request's time runs out
+    budget_s: float                                 # retrying without progress gives up after this
+    attempts: int = 0
+    failing_since: float | None = None
+
+    def progress(self) -> None:
+        self.attempts, self.failing_since = 0, None
+
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    async def wait_ready(self) -> bool:
+        """Wait (within the budget and the deadline) until the channel is connected."""
+        if self.channel is None:
+            return True
+        start = self.failing_since if self.failing_since is not None else time.monotonic()
+        wait = start + self.budget_s - time.monotonic()
+        left = self.time_left()
+        if left is not None:
+            wait = min(wait, left)
+        if wait <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), wait)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def pause(self) -> float | None:
+        """Seconds to wait before the next attempt; None when the budget or deadline is spent."""
+        now = time.monotonic()
+        if self.failing_since is None:
+            self.failing_since = now
+        first, most = REATTACH_BACKOFF_S
+        delay = min(first * 2 ** self.attempts, most)
+        left = self.time_left()
+        if now + delay - self.failing_since > self.budget_s or (left is not None and left <= delay):
+            return None
+        self.attempts += 1
+        return delay
+
+    def call(self, request_id: str, accepted: bool, last_block: int | None) -> grpc.aio.UnaryStreamCall:
+        left = self.time_left()
+        if self.submit is not None and not accepted:   # maybe never created: the same Submit is idempotent
+            return self.scheduler.Submit(self.submit, timeout=left)
+        req = common_pb2.ResumeRequest(request_id=request_id)
+        if last_block is not None:
+            req.after_block = last_block
+        return self.scheduler.Resume(req, timeout=left)
+
+
 @dataclass
 class GenerationStream:
     """One scheduler call, read as public GenerateResponse events.
@@ -418,6 +509,12 @@ class GenerationStream:
     finish_reason: str | None = None
     skip_through: int | None = None   # Resume: blocks up to this index only prime the detokenizer
     isd: bool = False                 # a causal model's request: report ISD acceptance
+    request_id: str = ""
+    reattach: Reattach | None = None  # None: a broken scheduler stream is an error at once
+    reattached: int = 0               # how many times the scheduler call was replaced
+    _accepted: bool = field(default=False)
+    _last_block: int | None = field(default=None)   # last block index fed to the detokenizer
+    _replayed_through: int | None = field(default=None)   # after a reattach: blocks we already had
     _primed_tokens: int = field(default=0)
     _closed: bool = field(default=False)
 
@@ -429,9 +526,14 @@ class GenerationStream:
             try:
                 ev = await self.call.read()
             except grpc.aio.AioRpcError as e:
+                if await self._reattach(e.code() in REATTACH_CODES and not _request_ended(e),
+                                        f"{e.code().name}: {e.details()}"):
+                    continue
                 self.done = True
                 raise from_rpc_error(e, "scheduler") from None
             if ev is grpc.aio.EOF:
+                if await self._reattach(True, "stream ended before Finished"):
+                    continue
                 self.done = True
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE,
                                    "scheduler ended the stream before the request finished",
@@ -441,9 +543,36 @@ class GenerationStream:
                 return out
         return None
 
+    async def _reattach(self, retryable: bool, why: str) -> bool:
+        """Replace the broken scheduler call (after a pause); False when that is not allowed."""
+        r = self.reattach
+        if not retryable or r is None or self._closed or not self.request_id:
+            return False
+        delay = r.pause()
+        if delay is None:
+            log.warning("request %s: scheduler stream broke (%s); giving up after %d attempts",
+                        self.request_id, why, r.attempts)
+            return False
+        log.info("request %s: scheduler stream broke (%s); reattaching in %.2fs (attempt %d)",
+                 self.request_id, why, delay, r.attempts)
+        await asyncio.sleep(delay)
+        if not await r.wait_ready():
+            log.warning("request %s: scheduler unreachable for %.1fs; giving up", self.request_id, r.budget_s)
+            return False
+        if self._closed:
+            return False
+        self.call = r.call(self.request_id, self._accepted, self._last_block)
+        self._replayed_through = self._last_block
+        self.reattached += 1
+        return True
+
     def _translate(self, ev: scheduler_pb2.SchedulerEvent) -> generate_pb2.GenerateResponse | None:
         kind = ev.WhichOneof("event")
         if kind == "accepted":
+            if self._accepted:   # a reattached call starts with Accepted again
+                return None
+            self._accepted = True
+            self.request_id = self.request_id or ev.accepted.request_id
             acc = common_pb2.Accepted()
             acc.CopyFrom(ev.accepted)
             acc.seed = acc.seed or self.seed
@@ -456,6 +585,11 @@ class GenerationStream:
             return generate_pb2.GenerateResponse(step=ev.step)
         if kind == "block":
             b = ev.block
+            if self._replayed_through is not None and b.block_index <= self._replayed_through:
+                return None   # had it before the reattach
+            self._last_block = b.block_index
+            if self.reattach is not None:
+                self.reattach.progress()
             res = self.detok.feed(b.tokens)
             if self.skip_through is not None and b.block_index <= self.skip_through:
                 self._primed_tokens += len(res.tokens)

@@ -51,6 +51,7 @@ class GatewaySettings:
     default_max_tokens: int = L.DEFAULT_MAX_TOKENS
     max_body_bytes: int = L.MAX_BODY_BYTES
     request_timeout_s: float = 600.0      # whole generation; 0 = none
+    reattach_s: float = 30.0              # a broken scheduler stream is retried this long without progress
     health_interval_s: float = 2.0
     log_level: str = "info"
 
@@ -118,7 +119,7 @@ class _Server(uvicorn.Server):
 def build_pipeline(s: GatewaySettings, backends: Backends, model: ModelCard | None = None) -> Pipeline:
     model = model or ModelCard.load(s.model_dir, s.model_name or None)
     limits = Limits(max_tokens_limit=s.max_tokens_limit, default_max_tokens=s.default_max_tokens,
-                    request_timeout_s=s.request_timeout_s or None)
+                    request_timeout_s=s.request_timeout_s or None, reattach_s=s.reattach_s)
     return Pipeline(model, backends, limits, GatewayMetrics(model.id))
 
 

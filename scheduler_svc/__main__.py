@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds a request waits for any worker before UNAVAILABLE")
     ap.add_argument("--detach-grace", type=float, default=float(env("CDE_DETACH_GRACE", 0)),
                     help="seconds a request outlives its last client stream (0: cancel at once)")
+    ap.add_argument("--redis-connections", type=int, default=int(env("CDE_REDIS_CONNECTIONS", 256)),
+                    help="Redis connection pool size (callers wait for a free one, bounded)")
     ap.add_argument("--prefix", default=env("CDE_REDIS_PREFIX", "cde:"), help="Redis key prefix")
     ap.add_argument("--grace", type=float, default=5.0, help="seconds to drain calls on SIGTERM/SIGINT")
     return ap.parse_args(argv)

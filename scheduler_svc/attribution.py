@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from cde.rpc import channel_options
+from cde.rpc.internal_auth import internal_channel
 from cde.rpc.v1 import attribution_pb2, attribution_pb2_grpc, common_pb2
 
 log = logging.getLogger("scheduler_svc.attribution")
@@ -29,7 +29,7 @@ class AttributionPool:
 
     def __init__(self, addresses: Sequence[str]):
         self.addresses = [a for a in addresses if a]
-        self._channels = [grpc.aio.insecure_channel(a, options=channel_options()) for a in self.addresses]
+        self._channels = [internal_channel(a) for a in self.addresses]
         self._stubs = [attribution_pb2_grpc.AttributionStub(c) for c in self._channels]
         self._next = itertools.count()
 

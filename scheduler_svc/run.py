@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("scheduler_svc.run")
 
 SPEC_VERSION = 1
+# A transient Redis failure (pool wait ran out, dropped connection, a restart) while a request
+# runs: retry the call with backoff for this long before the run gives up on Redis.
+REDIS_RETRY_S = 30.0
+_TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 BLOCK = 64   # cde.v1: block_index = start / 64 (page = diffusion block = attention tile)
 # The worker refused the request itself: retrying elsewhere cannot help.
 REQUEST_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
@@ -103,6 +107,7 @@ class End:
     finished: common_pb2.Finished | None = None
     code: grpc.StatusCode | None = None
     message: str = ""
+    final: bool = True   # the request ended; False: a Redis outage interrupted it (recoverable)
 
 
 class Subscriber:
@@ -156,9 +161,11 @@ class RequestRun:
         self.had_subscriber = True
         return sub
 
-    def unsubscribe(self, sub: Subscriber) -> None:
+    def unsubscribe(self, sub: Subscriber, client_gone: bool = True) -> None:
+        """``client_gone=False``: the stream failed on our side (e.g. a Redis error while
+        attaching), which must never cancel the request."""
         self.subscribers.discard(sub)
-        if self.subscribers or self.done or self.core.closing:
+        if self.subscribers or self.done or self.core.closing or not client_gone:
             return
         grace = self.core.opts.detach_grace_s
         if grace <= 0:
@@ -216,7 +223,7 @@ class RequestRun:
     async def _main(self) -> None:
         try:
             try:
-                await self._drive()
+                await self._drive_through_redis_outages()
             except DeadlinePassed:
                 await self._cancelled("deadline exceeded")
         except asyncio.CancelledError:
@@ -226,7 +233,8 @@ class RequestRun:
             await asyncio.shield(self._cancelled(self._cancel_reason))
         except redis.exceptions.RedisError as e:
             log.error("request %s: Redis failed (%s); left for recovery", self.rid, e)
-            self._end(End(code=grpc.StatusCode.UNAVAILABLE, message=f"request state unavailable: {e}"))
+            await self.core.redis_failed(e)
+            self._end(End(code=grpc.StatusCode.UNAVAILABLE, message=f"request state unavailable: {e}", final=False))
         except Exception as e:  # a bug: fail the request loudly rather than hang its clients
             log.exception("request %s failed in the scheduler", self.rid)
             await self._give_up(grpc.StatusCode.INTERNAL, f"scheduler error: {e!r}")
@@ -249,7 +257,42 @@ class RequestRun:
             raise DeadlinePassed()
         return left
 
+    async def _redis(self, op, what: str):
+        """``await op()``, retried with backoff on transient Redis errors for up to
+        REDIS_RETRY_S (within the deadline): a hiccup must not end a running request."""
+        give_up_at = time.monotonic() + REDIS_RETRY_S
+        delay = 0.05
+        while True:
+            try:
+                return await op()
+            except _TRANSIENT as e:
+                if time.monotonic() + delay > give_up_at:
+                    raise
+                log.warning("request %s: %s failed (%s); retrying in %.2fs", self.rid, what, e, delay)
+                await self.core.redis_failed(e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _drive_through_redis_outages(self) -> None:
+        """`_drive`, started again (it resumes from what Redis holds) after a transient Redis
+        failure outside the retried calls, for up to REDIS_RETRY_S of consecutive failures."""
+        give_up_at = time.monotonic() + REDIS_RETRY_S
+        delay = 0.1
+        while True:
+            try:
+                return await self._drive()
+            except _TRANSIENT as e:
+                if time.monotonic() + delay > give_up_at:
+                    raise
+                log.warning("request %s: Redis failed (%s); starting over from Redis in %.1fs", self.rid, e, delay)
+                await self.core.redis_failed(e)
+                await asyncio.sleep(delay)
+                self._time_left()
+                delay = min(delay * 2, 1.0)
+
     async def _acquire_slot(self) -> None:
+        if self.has_slot:
+            return
         try:
             await asyncio.wait_for(self.core.slots.acquire(), self._time_left())
         except asyncio.TimeoutError:
@@ -289,11 +332,17 @@ class RequestRun:
             # must see them, or they all land on the same worker.
             worker.placed_pages += pages
             worker.runs.add(self)   # counted in its free pages from now on (workers.py)
-            if not await store.claim(self.rid, worker.worker_id):
+            try:
+                claimed = await store.claim(self.rid, worker.worker_id)
+                st = await store.get(self.rid) if claimed else None
+            except BaseException:
+                worker.placed_pages = max(0, worker.placed_pages - pages)
+                worker.runs.discard(self)
+                raise
+            if not claimed:
                 worker.placed_pages = max(0, worker.placed_pages - pages)
                 worker.runs.discard(self)
                 continue   # cancelled meanwhile (seen above next round) or claimed by another instance
-            st = await store.get(self.rid)
             if st is None or st.status != RUNNING or st.worker != worker.worker_id:
                 worker.placed_pages = max(0, worker.placed_pages - pages)
                 worker.runs.discard(self)
@@ -395,13 +444,18 @@ class RequestRun:
             if resp is not None:
                 block.token_attributions.extend(resp.token_attributions)
                 block.chunk_attributions.extend(resp.chunk_attributions)
-        result = await self.core.store.append_block(self.rid, stored_index, block.SerializeToString(),
-                                                    len(block.tokens), attempt)
+        payload = block.SerializeToString()
+        result = await self._redis(lambda: self.core.store.append_block(self.rid, stored_index, payload,
+                                                                        len(block.tokens), attempt),
+                                   f"storing block {block.block_index}")
         if result == "stored":
             self.next_block = stored_index + 1
             self._publish_block(block)
             return True
         if result == "duplicate":
+            if stored_index >= self.next_block:   # our own write, retried after its reply was lost
+                self.next_block = stored_index + 1
+                self._publish_block(block)
             return True
         if result == "not_running":
             return False
@@ -414,9 +468,10 @@ class RequestRun:
             await self._cancelled(fin.message or "cancelled by the worker")
             return Outcome.DONE
         if fin.reason == common_pb2.FINISH_REASON_ERROR:
-            ok = await store.fail(self.rid, fin.message or "worker error", attempt)
+            ok = await self._redis(lambda: store.fail(self.rid, fin.message or "worker error", attempt), "fail")
         else:
-            ok = await store.finish(self.rid, _REASON_NAMES.get(fin.reason, "stop"), attempt)
+            ok = await self._redis(lambda: store.finish(self.rid, _REASON_NAMES.get(fin.reason, "stop"), attempt),
+                                   "finish")
         if not ok:
             return await self._ownership_lost()
         await self._save_end(fin)
@@ -427,8 +482,9 @@ class RequestRun:
     async def _save_end(self, fin: common_pb2.Finished) -> None:
         """Record how the request ended, for replays. Called right after the terminal
         transition succeeded, so the first ending wins (NX) and it expires with the request."""
-        await self.core.store.redis.set(self.core.end_key(self.rid), fin.SerializeToString(),
-                                        ex=self.core.store.finished_ttl_s, nx=True)
+        await self._redis(lambda: self.core.store.redis.set(self.core.end_key(self.rid), fin.SerializeToString(),
+                                                            ex=self.core.store.finished_ttl_s, nx=True),
+                          "saving the ending")
 
     async def _flush_stored(self) -> None:
         """Publish stored blocks a subscriber has not had (an interrupted commit)."""
@@ -448,7 +504,7 @@ class RequestRun:
     async def _cancelled(self, reason: str) -> None:
         store = self.core.store
         fin = common_pb2.Finished(reason=common_pb2.FINISH_REASON_CANCELLED, message=reason)
-        if await store.cancel(self.rid):
+        if await self._redis(lambda: store.cancel(self.rid), "cancel"):
             await self._save_end(fin)
         else:
             st = await store.get(self.rid)

@@ -47,12 +47,17 @@ from scheduler_svc.run import (
     stored_finished,
 )
 from scheduler_svc.state import RequestStore, _check_id
-from scheduler_svc.workers import WorkerPool
+from scheduler_svc.workers import WorkerIdTaken, WorkerPool
 
 log = logging.getLogger("scheduler_svc")
 
 DEFAULT_PORT = 50051
 POLL_S = 0.1   # Resume of a request no run here streams: how often to look at Redis
+REDIS_WATCH_S = 0.25        # how often health pings Redis
+REDIS_PING_TIMEOUT_S = 1.0
+# Trailing metadata on an error that ended the request itself (not a transport or Redis
+# hiccup): a client reattaching by itself must report it instead of retrying.
+REQUEST_ENDED_MD = "cde-request-ended"
 
 
 @dataclass
@@ -69,6 +74,10 @@ class SchedulerOptions:
     queue_timeout_s: float = 30.0    # how long a request waits for any worker before UNAVAILABLE
     max_attempts: int = 8            # lost/failed placements before a request fails
     detach_grace_s: float = 0.0      # after the last client stream leaves, before cancelling
+    # Redis connections: a bounded pool that makes a caller wait (up to redis_wait_s) for a
+    # free connection instead of failing at once when a burst has them all in use
+    redis_connections: int = 256
+    redis_wait_s: float = 10.0
     prefix: str = "cde:"
     sweep_s: float = 10.0
 
@@ -87,6 +96,8 @@ class SchedulerCore:
         self.slots = asyncio.Semaphore(opts.max_running)
         self.runs: dict[str, RequestRun] = {}
         self.ready = asyncio.Event()
+        self.health = None      # the grpc health servicer, once run_background has it
+        self.serving = False    # what health says now
         self.closing = False
         self.started = time.monotonic()
 
@@ -136,8 +147,26 @@ class SchedulerCore:
                 await self.adopt(rid)
 
     # ---- background ---------------------------------------------------------------------------------
+    async def redis_failed(self, error: Exception) -> None:
+        """A Redis call failed: report NOT_SERVING now, not at the next periodic check, so the
+        gateway's /health follows the real state of the dependency (the watch turns it back)."""
+        if self.health is not None and self.serving:
+            self.serving = False
+            log.warning("Redis failed (%s): NOT_SERVING until it answers again", error)
+            await self.health.set_serving(False)
+
+    async def _redis_ok(self) -> bool:
+        try:
+            await asyncio.wait_for(self.redis.ping(), REDIS_PING_TIMEOUT_S)
+            return True
+        except (redis.exceptions.RedisError, OSError, asyncio.TimeoutError) as e:
+            await self.redis_failed(e)
+            return False
+
     async def run_background(self, health) -> None:
-        """Wait for Redis, take over, go SERVING; then watch workers and Redis."""
+        """Wait for Redis, take over, go SERVING; then watch Redis (every REDIS_WATCH_S) and the
+        workers (every heartbeat interval)."""
+        self.health = health
         backoff = 0.1
         while True:
             try:
@@ -148,32 +177,38 @@ class SchedulerCore:
             except (redis.exceptions.RedisError, OSError) as e:
                 log.warning("Redis not reachable (%s); retrying in %.1fs", e, backoff)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, 1.0)
         self.ready.set()
+        self.serving = True
         await health.set_serving(True)
         log.info("scheduler ready")
         interval = self.opts.heartbeat_ms / 1000
-        last_sweep = time.monotonic()
-        serving = True
+        last_check = last_sweep = time.monotonic()
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(min(REDIS_WATCH_S, interval))
+            if not await self._redis_ok():
+                continue
             try:
-                await self.redis.ping()
-                if not serving:
+                if not self.serving:
+                    # Workers' heartbeats failed while Redis was away (they kept beating): give
+                    # them one more round before judging them by Redis's timestamps.
+                    self.started = time.monotonic()
+                    self.serving = True
+                    log.info("Redis answers again: SERVING")
                     await health.set_serving(True)
-                    serving = True
+                now = time.monotonic()
+                if now - last_check < interval:
+                    continue
+                last_check = now
                 # let workers beat once more after our own restart before judging them
-                if time.monotonic() - self.started > self.opts.dead_after * interval:
+                if now - self.started > self.opts.dead_after * interval:
                     await self.pool.check_stale()
-                if time.monotonic() - last_sweep > self.opts.sweep_s:
-                    last_sweep = time.monotonic()
+                if now - last_sweep > self.opts.sweep_s:
+                    last_sweep = now
                     await self.pool.refresh_from_redis()
                     await self.sweep()
             except (redis.exceptions.RedisError, OSError) as e:
-                log.warning("Redis check failed: %s", e)
-                if serving:
-                    await health.set_serving(False)
-                    serving = False
+                await self.redis_failed(e)
 
     async def shutdown(self) -> None:
         """Stop streaming; requests stay in Redis for the next instance."""
@@ -189,24 +224,26 @@ class SchedulerCore:
 
 
 def _redis_guard(method):
-    """Redis down -> UNAVAILABLE (not UNKNOWN) for a unary RPC handler."""
+    """Redis down -> UNAVAILABLE (not UNKNOWN) for a unary RPC handler, and health follows."""
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
             return await method(self, request, context)
         except redis.exceptions.RedisError as e:
+            await self.core.redis_failed(e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"request state unavailable: {e}")
     return wrapper
 
 
 def _redis_guard_stream(method):
-    """Redis down -> UNAVAILABLE for a server-streaming RPC handler."""
+    """Redis down -> UNAVAILABLE for a server-streaming RPC handler, and health follows."""
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
             async for ev in method(self, request, context):
                 yield ev
         except redis.exceptions.RedisError as e:
+            await self.core.redis_failed(e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"request state unavailable: {e}")
     return wrapper
 
@@ -235,7 +272,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         await self._check_id(context, rid)
         if not request.prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must not be empty")
-        if rid not in core.runs and await core.store.get(rid) is None:
+        if rid not in core.runs:
+            # Admission before any Redis work: under a burst the excess is refused from memory
+            # (429 + retry hint) instead of queueing on, and exhausting, the Redis pool. An id
+            # that already exists in Redis is found by create() below (it then attaches).
             retry_ms = core.admission.retry_after_ms(len(core.runs))
             if retry_ms is not None:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -283,7 +323,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             item = await sub.queue.get()
             if isinstance(item, End):
                 if item.code is not None:
-                    await context.abort(item.code, item.message)
+                    # "final": the request itself ended with this status, so a client that
+                    # reattaches by itself (the gateway) must not retry it
+                    await context.abort(item.code, item.message,
+                                        trailing_metadata=((REQUEST_ENDED_MD, "1"),) if item.final else ())
                 yield scheduler_pb2.SchedulerEvent(finished=item.finished)
                 return
             if item.HasField("block"):
@@ -297,6 +340,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         core = self.core
         run = core.runs.get(rid)
         sub = run.subscribe(steps) if run is not None and not run.done else None   # before reading Redis
+        client_gone = False
         try:
             st = await core.store.get(rid)
             if st is None and run is None:
@@ -323,9 +367,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 st = await core.store.get(rid)
                 if st is None:
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid!r} expired")
+        except (asyncio.CancelledError, GeneratorExit):
+            client_gone = True   # the client closed the stream: the only exit that may cancel
+            raise
         finally:
             if sub is not None:
-                run.unsubscribe(sub)
+                # A failed attach (Redis error, abort) leaves the request running: with no
+                # other subscriber it would otherwise be cancelled as "client gone".
+                run.unsubscribe(sub, client_gone=client_gone)
 
     async def _stored_finished(self, st) -> common_pb2.Finished:
         saved = None
@@ -360,6 +409,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await self.core.pool.register(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except WorkerIdTaken as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         return scheduler_pb2.WorkerAck(heartbeat_interval_ms=self.core.opts.heartbeat_ms)
 
     @_redis_guard
@@ -369,6 +420,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             known = await self.core.pool.heartbeat(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except WorkerIdTaken as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         if not known:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"worker {request.worker_id!r} is not registered")
         return scheduler_pb2.WorkerAck(heartbeat_interval_ms=self.core.opts.heartbeat_ms)
@@ -408,7 +461,10 @@ class SchedulerServer:
 
 
 async def start_scheduler(opts: SchedulerOptions) -> SchedulerServer:
-    client = aioredis.Redis.from_url(opts.redis_url, socket_timeout=10, socket_connect_timeout=5)
+    pool = aioredis.BlockingConnectionPool.from_url(opts.redis_url, max_connections=opts.redis_connections,
+                                                    timeout=opts.redis_wait_s, socket_timeout=10,
+                                                    socket_connect_timeout=5)
+    client = aioredis.Redis.from_pool(pool)
     core = SchedulerCore(opts, client)
     server, health = await make_server([service_name(scheduler_pb2, "Scheduler")])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), server)
@@ -428,7 +484,7 @@ def options_from_args(args: argparse.Namespace) -> SchedulerOptions:
         attribution=[a.strip() for a in (args.attribution or "").split(",") if a.strip()],
         max_running=args.max_running, max_queue=args.max_queue, finished_ttl_s=args.finished_ttl,
         heartbeat_ms=args.heartbeat_ms, queue_timeout_s=args.queue_timeout, detach_grace_s=args.detach_grace,
-        prefix=args.prefix)
+        prefix=args.prefix, redis_connections=getattr(args, "redis_connections", 256))
 
 
 async def serve(args: argparse.Namespace) -> None:

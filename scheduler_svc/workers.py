@@ -26,13 +26,17 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf import json_format
 
-from cde.rpc import channel_options
+from cde.rpc.internal_auth import internal_channel
 from cde.rpc.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from scheduler_svc.state import RequestStore
 
 log = logging.getLogger("scheduler_svc.workers")
 
 PROBE_TIMEOUT_S = 1.0
+
+
+class WorkerIdTaken(Exception):
+    """A registration or heartbeat names a live worker's id from another address."""
 
 
 @dataclass(eq=False)
@@ -77,7 +81,7 @@ class WorkerPool:
             return h
         if h is not None:
             asyncio.get_running_loop().create_task(h.channel.close(grace=None))
-        channel = grpc.aio.insecure_channel(info.address, options=channel_options())
+        channel = internal_channel(info.address)
         h = WorkerHandle(info.worker_id, info, channel, worker_pb2_grpc.WorkerStub(channel))
         self.workers[info.worker_id] = h
         return h
@@ -86,7 +90,32 @@ class WorkerPool:
         async with self.changed:
             self.changed.notify_all()
 
+    async def _check_owner(self, info: scheduler_pb2.WorkerInfo) -> None:
+        """Refuse ``info`` when its id belongs to a worker that still answers at another address
+        (a rogue or misconfigured worker would otherwise receive that worker's requests). A
+        worker that restarted elsewhere is accepted: its old address no longer answers."""
+        h = self.workers.get(info.worker_id)
+        if h is None:
+            rec = (await self.store.workers()).get(info.worker_id)
+            address = ((rec or {}).get("info") or {}).get("address", "")
+            if not address or address == info.address:
+                return
+            h = self._handle(json_format.ParseDict(rec["info"], scheduler_pb2.WorkerInfo(), ignore_unknown_fields=True))
+        if h.dead or h.info.address == info.address:
+            return
+        try:
+            await h.stub.Info(worker_pb2.WorkerStatusRequest(), timeout=PROBE_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            log.warning("worker %s moved from %s to %s (the old address does not answer)", info.worker_id,
+                        h.info.address, info.address)
+            return
+        log.warning("refused worker id %s from %s: a live worker at %s has it", info.worker_id, info.address,
+                    h.info.address)
+        raise WorkerIdTaken(f"worker id {info.worker_id!r} belongs to a live worker at another address")
+
     async def register(self, info: scheduler_pb2.WorkerInfo) -> None:
+        """Raises WorkerIdTaken (see _check_owner)."""
+        await self._check_owner(info)
         await self.store.register_worker(info.worker_id, json_format.MessageToDict(
             info, preserving_proto_field_name=True))
         self._handle(info).placed_pages = 0
@@ -95,7 +124,11 @@ class WorkerPool:
         await self._notify()
 
     async def heartbeat(self, info: scheduler_pb2.WorkerInfo) -> bool:
-        """False when the worker is unknown (dropped as dead, or Redis lost it): it must register."""
+        """False when the worker is unknown (dropped as dead, or Redis lost it): it must register.
+        Raises WorkerIdTaken for a beat under a live worker's id from another address."""
+        h = self.workers.get(info.worker_id)
+        if h is not None and not h.dead and h.info.address != info.address:
+            await self._check_owner(info)
         if not await self.store.heartbeat(info.worker_id):
             return False
         self._handle(info).placed_pages = 0

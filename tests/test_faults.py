@@ -320,11 +320,13 @@ def test_scheduler_killed_and_restarted_clients_resume_and_get_the_same_text(tmp
             assert st.text == ref.text, seed
             tokens += len(st.tokens)
         resumed = sum(1 for st in states if st.resumes)
-        assert resumed >= 1, "no stream broke: the kill hit nothing"
+        # the gateway reattaches by itself now (gateway/pipeline.py), so clients rarely need Resume
+        reattached = (stack.run_dir / "gateway.log").read_text(errors="replace").count("reattaching")
+        assert resumed + reattached >= 1, "no stream broke: the kill hit nothing"
         assert all_alive(stack) == {}
         assert httpx.get(f"{stack.base_url}/health", timeout=5).status_code == 200
         report(f"scheduler restart: {in_flight} of {len(states)} requests in flight at the kill, {resumed} "
-               f"clients resumed (after_block), all finished {recovered_s:.1f}s after the kill; {tokens} tokens "
+               f"clients resumed (after_block), {reattached} gateway reattaches, all finished {recovered_s:.1f}s after the kill; {tokens} tokens "
                f"checked identical to uninterrupted runs")
 
 

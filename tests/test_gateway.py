@@ -556,7 +556,8 @@ def test_health_follows_backends(client: httpx.Client, stack: Stack) -> None:
 
 @pytest.mark.e2e
 def test_scheduler_down_is_503(stack: Stack) -> None:
-    down = stack.gateway(scheduler="127.0.0.1:1", grpc_port=-1)
+    # the gateway retries an unreachable scheduler for reattach_s before answering 503
+    down = stack.gateway(scheduler="127.0.0.1:1", grpc_port=-1, reattach_s=1.0)
     with httpx.Client(base_url=down.base_url, timeout=10) as c:
         r = c.get("/health")
         assert r.status_code == 503 and r.json()["stages"]["scheduler"].startswith("unreachable")

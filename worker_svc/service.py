@@ -31,7 +31,8 @@ import torch
 
 from cde import limits as L
 from cde.model_family import CAUSAL, model_family
-from cde.rpc import bytes_to_floats, channel_options, make_server, service_name
+from cde.rpc import bytes_to_floats, make_server, service_name
+from cde.rpc.internal_auth import internal_channel
 from cde.rpc.serving import serve_until_signal
 from cde.rpc.v1 import (
     common_pb2,
@@ -322,7 +323,7 @@ class Registrar:
                                         running=s.running, waiting=s.waiting)
 
     async def run(self) -> None:
-        async with grpc.aio.insecure_channel(self.scheduler, options=channel_options()) as channel:
+        async with internal_channel(self.scheduler) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             backoff = 0.2
             while True:
@@ -339,7 +340,7 @@ class Registrar:
                     log.exception("registration with scheduler %s failed; retrying in %.1fs", self.scheduler, backoff)
                 self.registered.clear()
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, 1.0)   # a restarted scheduler is found within a second
 
     async def _heartbeats(self, stub, interval: float) -> None:
         """Returns when the scheduler no longer knows us; raises on other errors."""

@@ -4,7 +4,8 @@
     from cde.rpc.v1 import worker_pb2, worker_pb2_grpc
 
 Every server gets the same message limits and keepalive, grpc.health.v1 (NOT_SERVING
-until the service says it is warm) and reflection. Float vectors travel as little-endian
+until the service says it is warm), reflection, and the internal-token check when
+$CDE_INTERNAL_TOKEN_FILE is set (`cde.rpc.internal_auth`; clients use `internal_channel`). Float vectors travel as little-endian
 float32 bytes (never pickle). Stubs are regenerated with scripts/gen_protos.sh.
 """
 
@@ -44,12 +45,21 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
     ]
 
 
+# Reconnect backoff between services: gRPC's default grows to 120 s, so a peer that was down
+# for a minute is only dialled again seconds after it is back. Capped at 1 s, a restarted
+# scheduler is seen by the gateway and the workers within a second.
+_INITIAL_RECONNECT_BACKOFF_MS = 100
+_MAX_RECONNECT_BACKOFF_MS = 1_000
+
+
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     return _limits(max_message_bytes) + [
         ("grpc.keepalive_time_ms", _CLIENT_KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", _INITIAL_RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
     ]
 
 
@@ -88,9 +98,11 @@ async def make_server(service_names: Sequence[str], *, max_message_bytes: int = 
         raise ImportError(f"{e}: install grpcio-health-checking=={grpc.__version__} and "
                           f"grpcio-reflection=={grpc.__version__} (pure Python, match the grpcio)") from e
 
+    from cde.rpc.internal_auth import server_interceptors
     from cde.rpc.malformed import MalformedRequestInterceptor
 
-    interceptors = [MalformedRequestInterceptor(), *interceptors]
+    # outermost first: a caller without the internal token is refused before anything else
+    interceptors = [*server_interceptors(), MalformedRequestInterceptor(), *interceptors]
     server = grpc.aio.server(interceptors=interceptors,
                              options=server_options(max_message_bytes) + list(options))
     health_servicer = _health_servicer_class()(service_names)

@@ -7,6 +7,11 @@ so each token's terms sum exactly to its logit. A chunk (span between `<|endofch
 tokens) scores concept i as the mean over its tokens of C_i,t / (sum_j |C_j,t| + |eps_t|).
 Discovered concepts get user-facing ids offset by the number of known concepts.
 This is the public package's `AttributionAccumulator.commit` and `chunk_attribution`.
+
+Reproducible to the bit: every sum (the dot products, a token's terms, a chunk's mass per
+concept and its residual share) accumulates in float64 in a fixed order and is rounded to
+float32 once at the end, so the kernel a BLAS picks for a block's size or thread count
+cannot change a result, and a replayed or re-placed request gets identical attributions.
 """
 
 from __future__ import annotations
@@ -61,15 +66,17 @@ LmRowsFn = Callable[[Tensor], Tensor]
 @torch.no_grad()
 def token_attribution(records: RawRecords, known_embed: EmbedFn, disc_embed: EmbedFn,
                       lm_rows: LmRowsFn) -> TokenAttribution:
-    """Contributions of every top-k concept to each committed token's logit (fp32)."""
-    w_y = lm_rows(records.tokens).float()                                   # (n, D)
+    """Contributions of every top-k concept to each committed token's logit (fp32 results,
+    accumulated in float64: see the module docstring)."""
+    w_y = lm_rows(records.tokens).double()                                  # (n, D)
     k_w = torch.sigmoid(records.known_logits.float())
-    k_contrib = k_w * torch.einsum("nkd,nd->nk", known_embed(records.known_idx).float(), w_y)
+    k_contrib = k_w.double() * torch.einsum("nkd,nd->nk", known_embed(records.known_idx).double(), w_y)
     d_w = torch.sigmoid(records.disc_logits.float())
-    d_contrib = d_w * torch.einsum("nkd,nd->nk", disc_embed(records.disc_idx).float(), w_y)
+    d_contrib = d_w.double() * torch.einsum("nkd,nd->nk", disc_embed(records.disc_idx).double(), w_y)
     target = records.target_logits.float()
-    residual = target - k_contrib.sum(-1) - d_contrib.sum(-1)
-    return TokenAttribution(records.known_idx, k_w, k_contrib, records.disc_idx, d_w, d_contrib, residual, target)
+    residual = target.double() - k_contrib.sum(-1) - d_contrib.sum(-1)
+    return TokenAttribution(records.known_idx, k_w, k_contrib.float(), records.disc_idx, d_w, d_contrib.float(),
+                            residual.float(), target)
 
 
 def model_lookups(model) -> tuple[EmbedFn, EmbedFn, LmRowsFn]:
@@ -115,16 +122,17 @@ def chunk_scores(attr: TokenAttribution, rows: Sequence[int], span_len: int, n_k
     if span_len <= 0:
         return [], 0.0
     idx = torch.as_tensor(list(rows), dtype=torch.long)
-    k_c, u_c, eps = attr.known_contrib[idx], attr.disc_contrib[idx], attr.residual[idx]
+    k_c, u_c, eps = attr.known_contrib[idx].double(), attr.disc_contrib[idx].double(), attr.residual[idx].double()
     total = (k_c.abs().sum(-1) + u_c.abs().sum(-1) + eps.abs()).clamp(min=1e-8)
     out: list[ConceptScore] = []
     for head, ids, contrib, offset in (("known", attr.known_idx[idx], k_c, 0),
                                        ("discovered", attr.disc_idx[idx], u_c, n_known)):
         flat = ids.reshape(-1)
         uniq, inverse = flat.unique(return_inverse=True)
-        mass = torch.zeros(len(uniq), dtype=torch.float32)
-        mass.scatter_add_(0, inverse, (contrib / total[:, None]).reshape(-1).float())
-        out += [ConceptScore(int(c) + offset, head, float(m) / span_len) for c, m in zip(uniq.tolist(), mass.tolist())]
+        mass = torch.zeros(len(uniq), dtype=torch.float64)   # summed in row order (CPU scatter_add)
+        mass.scatter_add_(0, inverse, (contrib / total[:, None]).reshape(-1))
+        scores = (mass / span_len).float()   # rounded to float32 once
+        out += [ConceptScore(int(c) + offset, head, s) for c, s in zip(uniq.tolist(), scores.tolist())]
     out.sort(key=lambda s: abs(s.score), reverse=True)
-    eps_pct = float((eps / total).mean()) * 100 if len(idx) else 0.0
+    eps_pct = float(((eps / total).sum() / len(idx) * 100).float()) if len(idx) else 0.0
     return (out[:top] if top is not None else out), eps_pct
