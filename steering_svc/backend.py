@@ -25,6 +25,7 @@ from cde.rpc import floats_to_bytes
 from cde.rpc.v1 import common_pb2
 from cde.steerling.catalog import Concept, ConceptCatalog
 from cde.steerling.config import SteerlingConfig
+from cde.steerling.loading import embedding_name
 from cde.steerling.steering import (
     AMPLIFY_INJECT_LAYER,
     AMPLIFY_TARGET,
@@ -85,7 +86,7 @@ class SteeringBackend:
         self.catalog = ConceptCatalog.load(model_dir, self.cfg.n_known, self.cfg.n_discovered)
         self._reader = CheckpointReader(model_dir)
         self.known_embedding = self._reader.get(KNOWN_EMBEDDING)  # (n_known_padded, D) mmap view
-        self.lm_weight = self._reader.get(TOKEN_EMBEDDING)        # (V, D) mmap view
+        self.lm_weight = self._reader.get(embedding_name(self._reader))  # (V, D) mmap view, either spelling
         d = self.cfg.n_embd
         for name, t, rows in ((KNOWN_EMBEDDING, self.known_embedding, self.cfg.n_known_padded),
                               (TOKEN_EMBEDDING, self.lm_weight, self.cfg.vocab_size)):
