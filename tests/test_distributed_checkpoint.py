@@ -101,11 +101,17 @@ def offline_cl100k(ranks: dict[bytes, int]):
         yield
 
 
+_PACKAGE_TOKENIZERS: dict[bool, object] = {}
+
+
 def package_tokenizer(ranks, instruct: bool):
+    """The package's SteerlingTokenizer (built once per variant: 100k ranks take a while)."""
     from steerling.data.tokenizer import SteerlingTokenizer
 
-    with offline_cl100k(ranks):
-        return SteerlingTokenizer(instruct=instruct)
+    if instruct not in _PACKAGE_TOKENIZERS:
+        with offline_cl100k(ranks):
+            _PACKAGE_TOKENIZERS[instruct] = SteerlingTokenizer(instruct=instruct)
+    return _PACKAGE_TOKENIZERS[instruct]
 
 
 def writer_config(arch: dict, concept: dict, tok, instruct: bool) -> dict:
@@ -377,8 +383,8 @@ def test_bundled_tiny_model_is_in_the_distributed_layout():
 
 # ---- weights and forward -------------------------------------------------------------------
 
-@pytest.mark.parametrize("spelling,shard_bytes", [("tok_emb", None), ("tok_emb", 300_000), ("save_model", None),
-                                                  ("lm_head", 300_000), ("both", None)])
+@pytest.mark.parametrize("spelling,shard_bytes", [("tok_emb", None), ("tok_emb", 100_000), ("save_model", None),
+                                                  ("lm_head", 100_000), ("both", None)])
 def test_forward_and_concept_records_match_the_package(make_dir, spelling, shard_bytes):
     ck = make_dir(spelling=spelling, shard_bytes=shard_bytes)
     if shard_bytes:
@@ -539,10 +545,21 @@ def test_gateway_steering_and_attribution_services_open_the_directory(make_dir):
     from gateway.pipeline import ModelCard
     from steering_svc.backend import SteeringBackend
 
-    ck = make_dir(instruct=True, spelling="lm_head", shard_bytes=300_000)
+    ck = make_dir(instruct=True, spelling="lm_head", shard_bytes=100_000)
     card = ModelCard.load(ck.dir)
     assert card.family == STEERLING and card.tokenizer.eot_id == 100_283 and card.config.vocab_size == 100_284
     assert card.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])[0] == 100_281
+    from cde.rpc.v1 import generate_pb2
+    from gateway.errors import GatewayError
+    from gateway.pipeline import Pipeline
+
+    chat = generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(
+        role="user", content="hi")]))
+    base = ModelCard.load(make_dir(instruct=False).dir)
+    assert base.tokenizer.eot_id is None and base.config.vocab_size == 100_281
+    with pytest.raises(GatewayError, match="no chat tokens"):
+        Pipeline(base, None, None, None).tokenize(chat)
+    assert Pipeline(card, None, None, None).tokenize(chat)[0] == 100_281
     backend = SteeringBackend(ck.dir)
     assert torch.equal(backend.lm_weight, ck.model.transformer.lm_head.weight.detach())
     tables = AttributionTables.open(ck.dir)
@@ -551,7 +568,7 @@ def test_gateway_steering_and_attribution_services_open_the_directory(make_dir):
 
 
 def test_inspect_reports_a_good_and_a_broken_directory(make_dir):
-    ck = make_dir(instruct=True, shard_bytes=300_000)
+    ck = make_dir(instruct=True, shard_bytes=100_000)
     run = subprocess.run([sys.executable, "-m", "cde.steerling.inspect", str(ck.dir)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -568,7 +585,7 @@ def test_inspect_reports_a_good_and_a_broken_directory(make_dir):
     assert "known_head.concept_predictor.weight: expected shape (64, 32) from config.json, file has (48, 32)" \
         in run.stdout
     assert "tokenizer_config.json disagrees with config.json: eot_id 7 (config.json: 100283)" in run.stdout
-    assert "cl100k BPE file not found" in run.stdout and "3 error(s); not servable" in run.stdout
+    assert "cl100k BPE file not found" in run.stdout and "4 error(s); not servable" in run.stdout
 
 
 @pytest.mark.e2e
@@ -579,7 +596,7 @@ def test_launcher_serves_the_distributed_directory(make_dir, tmp_path):
 
     from tests.stack_fixture import running_stack
 
-    ck = make_dir(instruct=True, shard_bytes=300_000)
+    ck = make_dir(instruct=True, shard_bytes=100_000)
     ours = load_model(ck.dir)
     tok = load_model_tokenizer(ours.cfg, ck.dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}])
