@@ -100,10 +100,6 @@ class SteerlingConfig:
             # the package's attributor would then find fewer recorded concepts than topk_known
             raise ValueError(f"topk_known_features ({self.topk_known_features}) must be >= topk_known "
                              f"({self.topk_known})")
-        chat = (self.start_header_id, self.end_header_id, self.eot_id)
-        if self.instruct != all(i is not None for i in chat) or (not self.instruct and any(i is not None for i in chat)):
-            raise ValueError(f"instruct={self.instruct} needs start_header_id, end_header_id and eot_id "
-                             f"{'all set' if self.instruct else 'all None'}, got {chat}")
         ids = {"eos_id": self.eos_id, "pad_id": self.pad_id, "bos_id": self.bos_id,
                "endofchunk_id": self.endofchunk_id, "mask_id": self.mask_id,
                "start_header_id": self.start_header_id, "end_header_id": self.end_header_id,
