@@ -37,6 +37,7 @@ from cde.steerling.attribution import (
 )
 from cde.steerling.catalog import ConceptCatalog
 from cde.steerling.config import SteerlingConfig
+from cde.steerling.loading import embedding_name
 
 KNOWN_EMBEDDING = "known_head.concept_embedding.weight"
 DISC_COEF = "unknown_head.embedding_coef.weight"
@@ -81,7 +82,8 @@ class AttributionTables:
     def open(cls, model_dir: str | Path) -> AttributionTables:
         cfg = SteerlingConfig.load(model_dir)
         reader = CheckpointReader(model_dir)
-        return cls(cfg, {name: reader.get(name) for name in TENSOR_NAMES})  # zero-copy mmap views
+        stored = {name: embedding_name(reader) if name == TOKEN_EMBEDDING else name for name in TENSOR_NAMES}
+        return cls(cfg, {name: reader.get(stored[name]) for name in TENSOR_NAMES})  # zero-copy mmap views
 
     def known_embed(self, ids: Tensor) -> Tensor:
         return self.tensors[KNOWN_EMBEDDING][ids]

@@ -181,6 +181,10 @@ class CheckpointReader:
     def names(self) -> list[str]:
         return sorted(self._files)
 
+    def files(self) -> list[Path]:
+        """The safetensors files holding the tensors (one, or the index's shards)."""
+        return sorted(set(self._files.values()))
+
     def __contains__(self, name) -> bool:
         return name in self._files
 

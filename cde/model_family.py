@@ -1,7 +1,8 @@
 """Which model family a checkpoint directory holds, from its config.json (no torch).
 
-* "steerling": block-causal diffusion with a concept bottleneck (`model_type`
-  "causal_diffusion"): block decoding, attribution, steering.
+* "steerling": block-causal diffusion with a concept bottleneck (`model_type` "steerling",
+  the published Steerling-8B directory, or "causal_diffusion", the public package's
+  converter layout): block decoding, attribution, steering.
 * "causal": a Qwen3 / SDAR-layout causal LM (`model_type` "qwen3" or "sdar", I-DLM):
   autoregressive or introspective strided decoding (`decode.stride`), no concepts.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 STEERLING = "steerling"
 CAUSAL = "causal"
-_BY_MODEL_TYPE = {"causal_diffusion": STEERLING, "qwen3": CAUSAL, "sdar": CAUSAL}
+_BY_MODEL_TYPE = {"steerling": STEERLING, "causal_diffusion": STEERLING, "qwen3": CAUSAL, "sdar": CAUSAL}
 
 
 def model_family(model_dir: str | Path) -> str:

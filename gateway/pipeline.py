@@ -38,7 +38,7 @@ from cde.qwen3.chat import ChatTokenizer, load_chat_tokenizer
 from cde.qwen3.config import Qwen3Config
 from cde.rpc.v1 import common_pb2, generate_pb2, scheduler_pb2, steering_pb2
 from cde.steerling.config import SteerlingConfig
-from cde.steerling.tokenizer import Tokenizer, load_tokenizer
+from cde.steerling.tokenizer import Tokenizer, load_model_tokenizer
 from gateway.backends import Backends
 from gateway.detok import BlockDetokenizer
 from gateway.errors import GatewayError, from_rpc_error, invalid
@@ -84,7 +84,7 @@ class ModelCard:
             return cls(name or path.resolve().name, qcfg, load_chat_tokenizer(path, qcfg), int(path.stat().st_mtime),
                        CAUSAL)
         cfg = SteerlingConfig.load(path)
-        tok = load_tokenizer(cfg.tokenizer, path)
+        tok = load_model_tokenizer(cfg, path)
         return cls(name or path.resolve().name, cfg, tok, int(path.stat().st_mtime))
 
     @property

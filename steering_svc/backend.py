@@ -27,6 +27,7 @@ from cde.rpc import floats_to_bytes
 from cde.rpc.v1 import common_pb2, steering_pb2
 from cde.steerling.catalog import HEADS, Concept, ConceptCatalog
 from cde.steerling.config import SteerlingConfig
+from cde.steerling.loading import embedding_name
 from cde.steerling.steering import SteeringSpec, prepare
 
 KNOWN_EMBEDDING = "known_head.concept_embedding.weight"
@@ -78,7 +79,7 @@ class SteeringBackend:
         self.catalog = ConceptCatalog.load(model_dir, self.cfg.n_known, self.cfg.n_discovered)
         self._reader = CheckpointReader(model_dir)
         self.known_embedding = self._reader.get(KNOWN_EMBEDDING)  # (n_known_padded, D) mmap view
-        self.lm_weight = self._reader.get(TOKEN_EMBEDDING)        # (V, D) mmap view
+        self.lm_weight = self._reader.get(embedding_name(self._reader))  # (V, D) mmap view, either spelling
         self.disc_coef = self._reader.get(DISC_COEF)              # (n_discovered_padded, r) mmap view
         self.disc_basis = self._reader.get(DISC_BASIS)            # (D, r) mmap view
         d, r = self.cfg.n_embd, self.cfg.factorize_rank

@@ -47,7 +47,7 @@ from cde.steerling.loading import load_model
 from cde.steerling.reference_decoder import DecodeOptions, clean_output, terminal_ids
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import PreparedSteering
-from cde.steerling.tokenizer import load_tokenizer
+from cde.steerling.tokenizer import load_model_tokenizer
 from worker_svc.causal import causal_status, causal_submit
 from worker_svc.engine.async_engine import AsyncEngine
 from worker_svc.engine.engine import (
@@ -432,7 +432,7 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
         servicer: WorkerServicer = CausalWorkerServicer(front, model_name, token_limit, opts.dtype, opts.device)
     else:
         model = await asyncio.to_thread(load_model, model_dir, dtype=dtype, device=opts.device)
-        token_limit = load_tokenizer(model.cfg.tokenizer, model_dir).vocab_size
+        token_limit = load_model_tokenizer(model.cfg, model_dir).vocab_size
         engine = Engine(model, tokenizer_vocab_size=token_limit, max_slots=opts.max_slots, n_pages=opts.kv_pages,
                         compile=opts.compile, cuda_graphs=opts.cuda_graphs)
         front = AsyncEngine(engine)

@@ -19,7 +19,7 @@ from cde.steerling.config import SteerlingConfig
 from cde.steerling.loading import load_model
 from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.steering import SteeringSpec, prepare
-from cde.steerling.tokenizer import load_tokenizer
+from cde.steerling.tokenizer import load_model_tokenizer
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "steerling-tiny"
 
@@ -36,7 +36,7 @@ def main() -> None:
 
     cfg = SteerlingConfig.load(args.model)
     model = load_model(args.model)
-    tok = load_tokenizer(cfg.tokenizer, Path(args.model))
+    tok = load_model_tokenizer(cfg, Path(args.model))
     catalog = ConceptCatalog.load(args.model, cfg.n_known, cfg.n_discovered)
 
     def resolve(name: str) -> int:

@@ -152,7 +152,9 @@ class SteerlingModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.transformer = Transformer(cfg)
-        self.known_head = KnownHead(cfg.n_known, cfg.n_known_padded, cfg.n_embd, cfg.topk_known, cfg.concept_chunk)
+        # the head keeps the features' top-k; heads() records the first topk_known of them
+        self.known_head = KnownHead(cfg.n_known, cfg.n_known_padded, cfg.n_embd, cfg.known_features_k,
+                                    cfg.concept_chunk)
         self.unknown_head = DiscoveredHead(
             cfg.n_discovered, cfg.n_discovered_padded, cfg.n_embd, cfg.factorize_rank,
             cfg.topk_discovered, cfg.concept_chunk,
@@ -226,11 +228,14 @@ class SteerlingModel(nn.Module):
         token_chunk bounds the rows scored per pass (None: all at once; the engine bounds its
         step's rows itself and needs shapes that do not depend on the row count).
         """
-        k_idx, k_logits = self.known_head.topk_of(h, token_chunk)
+        f_idx, f_logits = self.known_head.topk_of(h, token_chunk)
+        # The package mixes topk_known_features concepts into the features but records (and
+        # intervenes on) the topk_known best of them; the top-k comes out sorted, so a slice.
+        k_idx, k_logits = f_idx[:, : self.cfg.topk_known], f_logits[:, : self.cfg.topk_known]
         d_idx, d_logits = self.unknown_head.topk_of(h, token_chunk)
         unk = self.unknown_head.features(d_idx, d_logits).to(h.dtype)
         if intervention is None:
-            known = self.known_head.features(k_idx, k_logits).to(h.dtype)
+            known = self.known_head.features(f_idx, f_logits).to(h.dtype)
             eps = h - (unk + known)
             composed = (unk + eps) + known
         else:

@@ -23,9 +23,12 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tiktoken
+
+if TYPE_CHECKING:
+    from cde.steerling.config import SteerlingConfig
 
 __all__ = [
     "BPE_ENV_VAR",
@@ -34,6 +37,8 @@ __all__ = [
     "ByteTokenizer",
     "Cl100kTokenizer",
     "Tokenizer",
+    "check_special_ids",
+    "load_model_tokenizer",
     "load_tokenizer",
 ]
 
@@ -391,3 +396,37 @@ def _check_keys(spec: Mapping[str, Any], allowed: set[str]) -> None:
     unknown = set(spec) - allowed
     if unknown:
         raise ValueError(f"unknown tokenizer spec keys {sorted(unknown)} for kind {spec['kind']!r}")
+
+
+# config.json key -> Tokenizer attribute
+_CONFIG_ID_ATTRS = {
+    "eos_token_id": "eos_id", "pad_token_id": "pad_id", "bos_token_id": "bos_id",
+    "endofchunk_token_id": "endofchunk_id", "mask_token_id": "mask_id",
+    "start_header_id": "start_header_id", "end_header_id": "end_header_id", "eot_id": "eot_id",
+}
+
+
+def check_special_ids(tok: Tokenizer, expected: Mapping[str, int | None], vocab_rows: int) -> None:
+    """Refuse a tokenizer whose special ids are not the model config's (``expected`` maps
+    config.json keys to ids; None = the model has no such token, e.g. a base model's
+    ``eot_id``), or that can produce ids past the model's ``vocab_rows`` embedding rows.
+    Base and instruct cl100k tokenizers differ exactly in the three chat ids."""
+    wrong = [f"{key} is {want} in config.json but {getattr(tok, _CONFIG_ID_ATTRS[key])} in {tok.name}"
+             for key, want in expected.items() if getattr(tok, _CONFIG_ID_ATTRS[key]) != want]
+    if wrong:
+        raise ValueError(f"tokenizer {tok.name!r} does not match the model config: {'; '.join(wrong)}")
+    if tok.vocab_size > vocab_rows:
+        raise ValueError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids but the model's vocab_size is "
+                         f"{vocab_rows}")
+
+
+def load_model_tokenizer(cfg: SteerlingConfig, model_dir: str | Path | None) -> Tokenizer:
+    """The tokenizer a model config names, checked against that config's special ids and
+    vocabulary (a base checkpoint gets the base layout, an instruct one the chat ids)."""
+    tok = load_tokenizer(cfg.tokenizer, None if model_dir is None else Path(model_dir))
+    check_special_ids(tok, {
+        "eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id, "bos_token_id": cfg.bos_id,
+        "endofchunk_token_id": cfg.endofchunk_id, "mask_token_id": cfg.mask_id,
+        "start_header_id": cfg.start_header_id, "end_header_id": cfg.end_header_id, "eot_id": cfg.eot_id,
+    }, cfg.vocab_size)
+    return tok
