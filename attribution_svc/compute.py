@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cde import limits
 from cde.checkpoint import CheckpointError, CheckpointReader
 from cde.rpc.v1 import attribution_pb2, common_pb2
 from cde.steerling.attribution import (
@@ -43,8 +44,8 @@ DISC_BASIS = "unknown_head.embedding_basis.weight"
 TOKEN_EMBEDDING = "transformer.tok_emb.weight"  # tied with the LM head
 TENSOR_NAMES = (KNOWN_EMBEDDING, DISC_COEF, DISC_BASIS, TOKEN_EMBEDDING)
 
-DEFAULT_TOP_K = 8
-MAX_TOP_K = 64
+DEFAULT_TOP_K = limits.DEFAULT_ATTRIBUTION_TOP_K
+MAX_TOP_K = limits.ATTRIBUTION_TOP_K_MAX
 
 _TOKENS = (common_pb2.ATTRIBUTION_TOKENS, common_pb2.ATTRIBUTION_ALL)
 _CHUNKS = (common_pb2.ATTRIBUTION_CHUNKS, common_pb2.ATTRIBUTION_ALL)

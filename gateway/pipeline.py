@@ -13,6 +13,7 @@ the request's KV pages).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import uuid
@@ -21,27 +22,24 @@ from pathlib import Path
 
 import grpc
 
+from cde import limits as L
 from cde.model_family import CAUSAL, STEERLING, model_family
 from cde.qwen3.chat import ChatTokenizer, load_chat_tokenizer
 from cde.qwen3.config import Qwen3Config
 from cde.rpc.v1 import common_pb2, generate_pb2, scheduler_pb2, steering_pb2
 from cde.steerling.config import SteerlingConfig
 from cde.steerling.tokenizer import Tokenizer, load_tokenizer
-from gateway import schemas as B
 from gateway.backends import Backends
 from gateway.detok import BlockDetokenizer
 from gateway.errors import GatewayError, from_rpc_error, invalid
 from gateway.metrics import GatewayMetrics, RequestTimer
 
-# The model's sampler defaults (cde.steerling.sampling.SamplingParams; a test keeps them equal).
-# Copied rather than imported so the gateway never imports torch.
-DEFAULT_SAMPLING = {"use_entropy_sampling": True, "temperature": 1.2, "top_p": 0.8, "repetition_penalty": 1.1}
-DEFAULT_SEARCH_LIMIT = 20
+# The model's sampler defaults (a test keeps them equal to cde.steerling.sampling.SamplingParams);
+# from cde.limits so the gateway never imports torch.
+DEFAULT_SAMPLING = dataclasses.asdict(L.STEERLING_SAMPLING)
 # Causal (I-DLM) models: plain temperature sampling, and ISD with stride 4 unless asked otherwise
 # (greedy output equals plain AR's token for token; sampled output keeps AR's distribution).
-DEFAULT_CAUSAL_SAMPLING = {"use_entropy_sampling": False, "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0}
-DEFAULT_STRIDE = 4
-MAX_STRIDE = 8   # the workers' default --max-stride
+DEFAULT_CAUSAL_SAMPLING = dataclasses.asdict(L.CAUSAL_SAMPLING)
 
 FINISH_REASON_TEXT = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -96,8 +94,8 @@ class ModelCard:
 
 @dataclass(frozen=True)
 class Limits:
-    max_tokens_limit: int = 1024
-    default_max_tokens: int = 128
+    max_tokens_limit: int = L.MAX_TOKENS_LIMIT
+    default_max_tokens: int = L.DEFAULT_MAX_TOKENS
     request_timeout_s: float | None = 600.0   # whole generation; None = no deadline
     backend_timeout_s: float = 10.0           # unary calls (steering, search, cancel)
 
@@ -174,25 +172,27 @@ class Pipeline:
             tps = 1
             if d.tokens_per_step > 1 or d.HasField("confidence_threshold"):
                 raise invalid("decode.tokens_per_step and decode.threshold apply to block-diffusion models; "
-                              f"this causal model decodes {DEFAULT_STRIDE} tokens per forward with decode.stride "
+                              f"this causal model decodes {L.DEFAULT_STRIDE} tokens per forward with decode.stride "
                               "(1 = plain autoregressive)", "decode.tokens_per_step" if d.tokens_per_step > 1
                               else "decode.threshold")
-            stride = d.isd_stride or DEFAULT_STRIDE
-            if stride > MAX_STRIDE:
-                raise invalid(f"decode.stride must be in [1, {MAX_STRIDE}] (1 = plain autoregressive)", "decode.stride")
+            stride = d.isd_stride or L.DEFAULT_STRIDE
+            if stride > L.MAX_STRIDE:
+                raise invalid(f"decode.stride must be in [1, {L.MAX_STRIDE}] (1 = plain autoregressive)", "decode.stride")
         else:
-            block = self.model.config.diff_block_size
-            tps = d.tokens_per_step or 1
-            if tps > block:
-                raise invalid(f"tokens_per_step must be in [1, {block}] (the diffusion block size)",
+            lo, hi = L.tokens_per_step_bounds(self.model.config.diff_block_size)
+            tps = d.tokens_per_step or L.DEFAULT_TOKENS_PER_STEP
+            if not lo <= tps <= hi:
+                raise invalid(f"tokens_per_step must be in [{lo}, {hi}] (the diffusion block size)",
                               "decode.tokens_per_step")
             if d.isd_stride:
                 raise invalid("decode.stride (introspective strided decoding) is not supported by this model: "
                               "Steerling is a block-diffusion model", "decode.stride")
-            if d.HasField("confidence_threshold") and not _finite_in(d.confidence_threshold, 0.0, 1.0, lo_open=True):
-                raise invalid("decode.threshold must be in (0, 1]", "decode.threshold")
-        if len(d.stop_ids) > B.MAX_STOP_IDS:
-            raise invalid(f"at most {B.MAX_STOP_IDS} stop ids", "stop_token_ids")
+            if d.HasField("confidence_threshold") and not _finite_in(
+                    d.confidence_threshold, L.THRESHOLD_MIN_EXCLUSIVE, L.THRESHOLD_MAX, lo_open=True):
+                raise invalid(f"decode.threshold must be in ({L.THRESHOLD_MIN_EXCLUSIVE:g}, {L.THRESHOLD_MAX:g}]",
+                              "decode.threshold")
+        if len(d.stop_ids) > L.MAX_STOP_IDS:
+            raise invalid(f"at most {L.MAX_STOP_IDS} stop ids", "stop_token_ids")
         vocab = self.model.tokenizer.vocab_size
         bad = next((i for i in d.stop_ids if i >= vocab), None)
         if bad is not None:
@@ -224,38 +224,38 @@ class Pipeline:
             temperature=s.temperature if s.HasField("temperature") else d["temperature"],
             top_p=s.top_p if s.HasField("top_p") else d["top_p"],
             repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else d["repetition_penalty"])
-        if not _finite_in(out.temperature, 0.0, B.TEMPERATURE_MAX):
-            raise invalid(f"temperature must be in [0, {B.TEMPERATURE_MAX:g}]", "temperature")
-        if not _finite_in(out.top_p, 0.0, 1.0):
-            raise invalid("top_p must be in [0, 1]", "top_p")
-        if not _finite_in(out.repetition_penalty, 0.0, B.REPETITION_PENALTY_MAX, lo_open=True):
-            raise invalid(f"repetition_penalty must be in (0, {B.REPETITION_PENALTY_MAX:g}]", "repetition_penalty")
+        if not _finite_in(out.temperature, L.TEMPERATURE_MIN, L.TEMPERATURE_MAX):
+            raise invalid(f"temperature must be in [{L.TEMPERATURE_MIN:g}, {L.TEMPERATURE_MAX:g}]", "temperature")
+        if not _finite_in(out.top_p, L.TOP_P_MIN, L.TOP_P_MAX):
+            raise invalid(f"top_p must be in [{L.TOP_P_MIN:g}, {L.TOP_P_MAX:g}]", "top_p")
+        if not _finite_in(out.repetition_penalty, 0.0, L.REPETITION_PENALTY_MAX, lo_open=True):
+            raise invalid(f"repetition_penalty must be in (0, {L.REPETITION_PENALTY_MAX:g}]", "repetition_penalty")
         return out
 
     def check_steering(self, s: common_pb2.SteeringRequest) -> None:
-        if len(s.concepts) > B.MAX_CONCEPTS:
-            raise invalid(f"at most {B.MAX_CONCEPTS} steering concepts", "steering.concepts")
+        if len(s.concepts) > L.MAX_CONCEPTS:
+            raise invalid(f"at most {L.MAX_CONCEPTS} steering concepts", "steering.concepts")
         for i, c in enumerate(s.concepts):
             p = f"steering.concepts[{i}]"
             ref = c.WhichOneof("ref")
             if ref is None or (ref == "name" and not c.name.strip()):
                 raise invalid(f"{p} needs an 'id' or a non-empty 'name'", p)
-            if len(c.name) > B.CONCEPT_NAME_MAX:
-                raise invalid(f"{p}.name is longer than {B.CONCEPT_NAME_MAX} characters", f"{p}.name")
-            if c.strength != 0.0 and not _finite_in(c.strength, 0.0, B.STRENGTH_MAX, lo_open=True):
-                raise invalid(f"{p}.strength must be in (0, {B.STRENGTH_MAX:g}]", f"{p}.strength")
+            if len(c.name) > L.CONCEPT_NAME_MAX:
+                raise invalid(f"{p}.name is longer than {L.CONCEPT_NAME_MAX} characters", f"{p}.name")
+            if c.strength != 0.0 and not _finite_in(c.strength, 0.0, L.STRENGTH_MAX, lo_open=True):
+                raise invalid(f"{p}.strength must be in (0, {L.STRENGTH_MAX:g}]", f"{p}.strength")
         if s.mode not in common_pb2.SteeringMode.values():
             raise invalid("steering.mode must be amplify or suppress", "steering.mode")
         if s.schedule not in common_pb2.SteeringSchedule.values():
             raise invalid("steering.schedule must be default, fixed or hard_cutoff", "steering.schedule")
-        if s.HasField("target") and not _finite_in(s.target, -B.TARGET_ABS_MAX, B.TARGET_ABS_MAX):
-            raise invalid(f"steering.target must be in [-{B.TARGET_ABS_MAX:g}, {B.TARGET_ABS_MAX:g}]", "steering.target")
-        n_layers = self.model.config.n_layers
-        if s.HasField("inject_layer") and s.inject_layer >= n_layers:
-            raise invalid(f"steering.inject_layer must be in [0, {n_layers - 1}] for this model", "steering.inject_layer")
+        if s.HasField("target") and not _finite_in(s.target, -L.TARGET_ABS_MAX, L.TARGET_ABS_MAX):
+            raise invalid(f"steering.target must be in [-{L.TARGET_ABS_MAX:g}, {L.TARGET_ABS_MAX:g}]", "steering.target")
+        lo, hi = L.inject_layer_bounds(self.model.config.n_layers)
+        if s.HasField("inject_layer") and not lo <= s.inject_layer <= hi:
+            raise invalid(f"steering.inject_layer must be in [{lo}, {hi}] for this model", "steering.inject_layer")
         if s.HasField("cutoff_tokens"):
-            if s.cutoff_tokens < 1:
-                raise invalid("steering.cutoff must be at least 1", "steering.cutoff")
+            if not L.CUTOFF_MIN <= s.cutoff_tokens <= L.CUTOFF_MAX:
+                raise invalid(f"steering.cutoff must be in [{L.CUTOFF_MIN}, {L.CUTOFF_MAX}]", "steering.cutoff")
             if s.schedule == common_pb2.STEERING_SCHEDULE_FIXED:
                 raise invalid("steering.cutoff only applies to schedule 'hard_cutoff'", "steering.cutoff")
 
@@ -297,9 +297,9 @@ class Pipeline:
         sampling = self.resolve_sampling(req.sampling)
         if req.attribution not in common_pb2.AttributionMode.values():
             raise invalid("attribution must be none, tokens, chunks or all", "attribution")
-        top_k = req.attribution_top_k or B.DEFAULT_ATTRIBUTION_TOP_K
-        if top_k > B.ATTRIBUTION_TOP_K_MAX:
-            raise invalid(f"attribution_top_k must be in [1, {B.ATTRIBUTION_TOP_K_MAX}]", "attribution_top_k")
+        top_k = req.attribution_top_k or L.DEFAULT_ATTRIBUTION_TOP_K
+        if top_k > L.ATTRIBUTION_TOP_K_MAX:
+            raise invalid(f"attribution_top_k must be in [1, {L.ATTRIBUTION_TOP_K_MAX}]", "attribution_top_k")
         steering = await self.resolve_steering(req.steering) if req.HasField("steering") else None
         submit = scheduler_pb2.SubmitRequest(
             request_id=req.request_id or uuid.uuid4().hex, model=self.model.id, prompt_tokens=prompt,
@@ -352,14 +352,49 @@ class Pipeline:
             raise invalid(f"model '{self.model.id}' is a causal LM without concepts", "model")
         if not req.query.strip():
             raise invalid("a search query is required", "q")
-        if req.limit > B.SEARCH_LIMIT_MAX:
-            raise invalid(f"limit must be in [1, {B.SEARCH_LIMIT_MAX}]", "limit")
-        fwd = common_pb2.SearchConceptsRequest(query=req.query.strip(), limit=req.limit or DEFAULT_SEARCH_LIMIT,
+        if len(req.query) > L.SEARCH_QUERY_MAX_CHARS:
+            raise invalid(f"q is {len(req.query)} characters; at most {L.SEARCH_QUERY_MAX_CHARS}", "q")
+        if req.limit > L.SEARCH_LIMIT_MAX:
+            raise invalid(f"limit must be in [1, {L.SEARCH_LIMIT_MAX}]", "limit")
+        fwd = common_pb2.SearchConceptsRequest(query=req.query.strip(), limit=req.limit or L.DEFAULT_SEARCH_LIMIT,
                                                known_only=req.known_only, model=self.model.id)
         try:
             return await self.backends.steering.SearchConcepts(fwd, timeout=self.limits.backend_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "steering service") from None
+
+    def _check_catalog(self, model: str = "") -> None:
+        self.check_model(model)
+        if self.model.causal:
+            raise invalid(f"model '{self.model.id}' is a causal LM without concepts", "model")
+
+    async def list_concepts(self, req: steering_pb2.ListConceptsRequest) -> steering_pb2.ListConceptsResponse:
+        """One page of the catalog (bounds checked here, before they go into uint32 fields upstream)."""
+        self._check_catalog(req.model)
+        if req.limit > L.LIST_LIMIT_MAX:
+            raise invalid(f"limit must be in [1, {L.LIST_LIMIT_MAX}]", "limit")
+        fwd = steering_pb2.ListConceptsRequest()
+        fwd.CopyFrom(req)
+        fwd.model, fwd.limit = self.model.id, req.limit or L.DEFAULT_LIST_LIMIT
+        try:
+            return await self.backends.steering.ListConcepts(fwd, timeout=self.limits.backend_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "steering service") from None
+
+    async def describe_concept(self, concept_id: int, top_tokens: int) -> steering_pb2.ConceptDetail:
+        """A concept and its `top_tokens` most promoted vocabulary tokens; 404 for an unknown id."""
+        self._check_catalog()
+        if not 0 <= top_tokens <= L.TOP_TOKENS_MAX:
+            raise invalid(f"top_tokens must be in [0, {L.TOP_TOKENS_MAX}]", "top_tokens")
+        try:
+            return await self.backends.steering.DescribeConcept(steering_pb2.DescribeConceptRequest(
+                concept_id=concept_id, model=self.model.id, top_tokens=top_tokens),
+                timeout=self.limits.backend_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            err = from_rpc_error(e, "steering service")
+            if err.code == grpc.StatusCode.NOT_FOUND:
+                err.param, err.err_code = "concept_id", "concept_not_found"
+            raise err from None
 
     def list_models(self) -> generate_pb2.ListModelsResponse:
         return generate_pb2.ListModelsResponse(models=[self.model.info()])

@@ -1,8 +1,9 @@
 """Pydantic models of the REST request bodies (OpenAI fields + our extensions) and their bounds.
 
-Bounds live here as constants because the gRPC API (which has no pydantic layer) checks the
-same ones in gateway.pipeline. A value outside a bound is a *semantic* error (HTTP 400); a value
-of the wrong type or shape is a *schema* error (HTTP 422) - see app._validation_status.
+Bounds come from `cde.limits` (shared with steering_svc and the worker); the gRPC API, which has
+no pydantic layer, checks the same ones in gateway.pipeline, and so do the model-dependent ones
+(inject_layer, tokens_per_step, max_tokens against the context) for REST. A value outside a bound
+is a *semantic* error (HTTP 400); a value of the wrong type or shape is a *schema* error (HTTP 422) - see app._validation_status.
 Top-level unknown fields are ignored (OpenAI clients send vendor fields freely); our extension
 objects forbid unknown keys so a typo such as "strenght" fails loudly instead of being ignored.
 """
@@ -13,21 +14,45 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# ---- bounds shared with the gRPC API ----------------------------------------------------
-MAX_CONCEPTS = 16
-STRENGTH_MAX = 10.0          # per-concept weight in the steering direction, (0, 10]
-TARGET_ABS_MAX = 100.0       # amplify: logits; suppress: raw alpha
-TEMPERATURE_MAX = 2.0
-REPETITION_PENALTY_MAX = 10.0
-ATTRIBUTION_TOP_K_MAX = 64
-DEFAULT_ATTRIBUTION_TOP_K = 8
-MAX_STOP_IDS = 16
-MAX_STOP_STRINGS = 4
-MAX_STOP_STRING_CHARS = 256
-CONCEPT_NAME_MAX = 256
-SEARCH_LIMIT_MAX = 200
-U64_MAX = 2**64 - 1
-U32_MAX = 2**32 - 1   # integers that travel as proto uint32
+# ---- bounds shared with the gRPC API, steering_svc and the worker (all from cde.limits) ------
+from cde.limits import (  # re-exported: gateway.pipeline reads them as schemas.X
+    AMPLIFY_INJECT_LAYER,
+    AMPLIFY_TARGET,
+    ATTRIBUTION_TOP_K_MAX,
+    CONCEPT_NAME_MAX,
+    CUTOFF_MAX,
+    CUTOFF_MIN,
+    DEFAULT_ATTRIBUTION_TOP_K,
+    DEFAULT_CUTOFF,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_STRIDE,
+    DEFAULT_STRENGTH,
+    DEFAULT_TOKENS_PER_STEP,
+    MAX_CONCEPTS,
+    MAX_STOP_IDS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STRIDE,
+    MAX_TOKENS_LIMIT,
+    N_MAX,
+    REPETITION_PENALTY_MAX,
+    SEARCH_LIMIT_MAX,
+    STEERLING_SAMPLING,
+    STRENGTH_MAX,
+    SUPPRESS_TARGET,
+    TARGET_ABS_MAX,
+    TEMPERATURE_MAX,
+    TEMPERATURE_MIN,
+    THRESHOLD_MAX,
+    TOP_P_MAX,
+    TOP_P_MIN,
+    U32_MAX,
+    U64_MAX,
+)
+
+
+_PENALTY_DOC = (f"(0, {REPETITION_PENALTY_MAX:g}]; default {STEERLING_SAMPLING.repetition_penalty:g} "
+                "(causal models: must be 1)")
 
 
 class _Ext(BaseModel):
@@ -35,9 +60,12 @@ class _Ext(BaseModel):
 
 
 class SteeringConceptIn(_Ext):
-    id: Annotated[int, Field(ge=0, le=U32_MAX)] | None = None
-    name: Annotated[str, Field(min_length=1, max_length=CONCEPT_NAME_MAX)] | None = None
-    strength: Annotated[float, Field(gt=0.0, le=STRENGTH_MAX, allow_inf_nan=False)] = 1.0
+    id: Annotated[int, Field(ge=0, le=U32_MAX, description="concept id (GET /v1/concepts)")] | None = None
+    name: Annotated[str, Field(min_length=1, max_length=CONCEPT_NAME_MAX,
+                               description=f"concept name, at most {CONCEPT_NAME_MAX} characters")] | None = None
+    strength: Annotated[float, Field(gt=0.0, le=STRENGTH_MAX, allow_inf_nan=False,
+                                     description=f"weight in the steering direction, (0, {STRENGTH_MAX:g}]")] = \
+        DEFAULT_STRENGTH
 
     @model_validator(mode="after")
     def _one_ref(self) -> SteeringConceptIn:
@@ -47,12 +75,21 @@ class SteeringConceptIn(_Ext):
 
 
 class SteeringIn(_Ext):
-    concepts: Annotated[list[SteeringConceptIn], Field(min_length=1, max_length=MAX_CONCEPTS)]
+    concepts: Annotated[list[SteeringConceptIn], Field(min_length=1, max_length=MAX_CONCEPTS,
+                                                       description=f"1 to {MAX_CONCEPTS} known, steerable concepts")]
     mode: Literal["amplify", "suppress"] = "amplify"
-    inject_layer: Annotated[int, Field(ge=0, le=U32_MAX)] | None = None
+    # The model's layer count is not known to the schema: gateway.pipeline checks [1, n_layers].
+    inject_layer: Annotated[int, Field(ge=1, le=U32_MAX, description=(
+        f"first layer (from 1) that gets the direction, in [1, n_layers]; default amplify "
+        f"min({AMPLIFY_INJECT_LAYER}, n_layers), suppress max(1, n_layers // 2)"))] | None = None
     schedule: Literal["default", "fixed", "hard_cutoff"] = "default"
-    cutoff: Annotated[int, Field(ge=1, le=U32_MAX)] | None = None
-    target: Annotated[float, Field(ge=-TARGET_ABS_MAX, le=TARGET_ABS_MAX, allow_inf_nan=False)] | None = None
+    cutoff: Annotated[int, Field(ge=CUTOFF_MIN, le=CUTOFF_MAX, description=(
+        f"hard_cutoff: tokens steered before steering stops, [{CUTOFF_MIN}, {CUTOFF_MAX}], "
+        f"default {DEFAULT_CUTOFF}"))] \
+        | None = None
+    target: Annotated[float, Field(ge=-TARGET_ABS_MAX, le=TARGET_ABS_MAX, allow_inf_nan=False, description=(
+        f"[-{TARGET_ABS_MAX:g}, {TARGET_ABS_MAX:g}]; amplify: logit units (default {AMPLIFY_TARGET:g}), "
+        f"suppress: raw alpha (default {SUPPRESS_TARGET:g})"))] | None = None
 
     @model_validator(mode="after")
     def _cutoff_needs_hard_cutoff(self) -> SteeringIn:
@@ -62,14 +99,21 @@ class SteeringIn(_Ext):
 
 
 class DecodeIn(_Ext):
-    tokens_per_step: Annotated[int, Field(ge=1, le=U32_MAX)] | None = None
-    threshold: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    stride: Annotated[int, Field(ge=0, le=U32_MAX)] = 0
+    # The block size is the model's: gateway.pipeline checks the upper bound.
+    tokens_per_step: Annotated[int, Field(ge=1, le=U32_MAX, description=(
+        f"positions committed per denoising step, [1, diffusion block size]; default {DEFAULT_TOKENS_PER_STEP}"))] \
+        | None = None
+    threshold: Annotated[float, Field(gt=0.0, le=THRESHOLD_MAX, allow_inf_nan=False, description=(
+        "commit every position at or above this confidence, (0, 1]"))] | None = None
+    stride: Annotated[int, Field(ge=0, le=MAX_STRIDE, description=(
+        f"causal models: tokens per forward, [1, {MAX_STRIDE}] (1 = plain autoregressive); "
+        f"0 = default {DEFAULT_STRIDE}"))] = 0
 
 
 class SamplingIn(_Ext):
     use_entropy_sampling: bool | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_PENALTY_MAX, allow_inf_nan=False)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_PENALTY_MAX, allow_inf_nan=False, description=(
+        _PENALTY_DOC))] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -94,27 +138,38 @@ class _GenerationFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=U32_MAX)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    seed: Annotated[int, Field(ge=0, le=U64_MAX)] | None = None
+    # --max-tokens-limit and the context are the server's and the model's: gateway.pipeline checks them.
+    max_tokens: Annotated[int, Field(ge=1, le=U32_MAX, description=(
+        f"[1, --max-tokens-limit (default {MAX_TOKENS_LIMIT})], prompt + max_tokens within the context; "
+        f"default {DEFAULT_MAX_TOKENS}"))] | None = None
+    temperature: Annotated[float, Field(ge=TEMPERATURE_MIN, le=TEMPERATURE_MAX, allow_inf_nan=False, description=(
+        f"[{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}], 0 = greedy; setting it turns entropy sampling off"))] \
+        | None = None
+    top_p: Annotated[float, Field(ge=TOP_P_MIN, le=TOP_P_MAX, allow_inf_nan=False,
+                                  description=f"[{TOP_P_MIN:g}, {TOP_P_MAX:g}]; "
+                                              f"default {STEERLING_SAMPLING.top_p:g}")] | None = None
+    seed: Annotated[int, Field(ge=0, le=U64_MAX, description="[0, 2^64 - 1]; unset = server-chosen")] | None = None
     stop: Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)] | \
         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
-                  Field(max_length=MAX_STOP_STRINGS)] | None = None
+                  Field(max_length=MAX_STOP_STRINGS)] | None = Field(None, description=(
+                      f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters"))
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=N_MAX, description=f"choices per request: {N_MAX}")] = 1
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, description="not supported: 0 or unset (use repetition_penalty)")
+    frequency_penalty: float | None = Field(None, description="not supported: 0 or unset (use repetition_penalty)")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: empty or unset")
     # extensions
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_PENALTY_MAX, allow_inf_nan=False)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_PENALTY_MAX, allow_inf_nan=False, description=(
+        _PENALTY_DOC))] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=U32_MAX)]],
-                              Field(max_length=MAX_STOP_IDS)] | None = None
+                              Field(max_length=MAX_STOP_IDS,
+                                    description=f"at most {MAX_STOP_IDS} vocabulary ids")] | None = None
     steering: SteeringIn | None = None
     attribution: Literal["none", "tokens", "chunks", "all"] = "none"
-    attribution_top_k: Annotated[int, Field(ge=1, le=ATTRIBUTION_TOP_K_MAX)] = DEFAULT_ATTRIBUTION_TOP_K
+    attribution_top_k: Annotated[int, Field(ge=1, le=ATTRIBUTION_TOP_K_MAX, description=(
+        f"concepts per token / chunk, [1, {ATTRIBUTION_TOP_K_MAX}]"))] = DEFAULT_ATTRIBUTION_TOP_K
     decode: DecodeIn | None = None
     sampling: SamplingIn | None = None
     stream_mode: Literal["blocks", "steps"] = "blocks"
@@ -135,8 +190,8 @@ class CompletionRequest(_GenerationFields):
         Annotated[list[Annotated[int, Field(ge=0, le=U32_MAX)]], Field(min_length=1)]
     echo: bool = False
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
-    logprobs: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=N_MAX, description=f"{N_MAX} only")] | None = None
+    logprobs: int | None = Field(None, description="not supported: unset (see attribution)")
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
@@ -168,9 +223,10 @@ class ChatMessageIn(BaseModel):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1, le=U32_MAX)] | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=U32_MAX, description="as max_tokens (wins over it)")] | \
+        None = None
+    logprobs: bool | None = Field(None, description="not supported: false or unset (see attribution)")
+    top_logprobs: int | None = Field(None, description="not supported (logprobs is refused)")
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None

@@ -20,6 +20,7 @@ import grpc
 import uvicorn
 from fastapi import FastAPI
 
+from cde import limits as L
 from cde.rpc import make_server, service_name
 from cde.rpc.v1 import generate_pb2, generate_pb2_grpc
 from gateway.app import build_app
@@ -46,9 +47,9 @@ class GatewaySettings:
     api_keys_file: str = ""
     api_keys: str = ""                    # comma-separated (CDE_API_KEYS)
     rate_limit_rpm: float = 0.0           # per API key; 0 = unlimited
-    max_tokens_limit: int = 1024
-    default_max_tokens: int = 128
-    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = L.MAX_TOKENS_LIMIT
+    default_max_tokens: int = L.DEFAULT_MAX_TOKENS
+    max_body_bytes: int = L.MAX_BODY_BYTES
     request_timeout_s: float = 600.0      # whole generation; 0 = none
     health_interval_s: float = 2.0
     log_level: str = "info"
@@ -139,8 +140,8 @@ async def _monitor(pipeline: Pipeline, health: Any, interval_s: float) -> None:
 async def serve(settings: GatewaySettings | Any) -> GatewayHandle:
     """Start REST + gRPC on the running loop; returns once both accept connections."""
     s = settings if isinstance(settings, GatewaySettings) else GatewaySettings.from_mapping(vars(settings))
-    if s.max_tokens_limit < 1 or s.max_body_bytes < 1024:
-        raise ValueError("max_tokens_limit must be >= 1 and max_body_bytes >= 1024")
+    if s.max_tokens_limit < 1 or s.max_body_bytes < L.MIN_BODY_BYTES:
+        raise ValueError(f"max_tokens_limit must be >= 1 and max_body_bytes >= {L.MIN_BODY_BYTES}")
     auth = ApiKeyAuth(load_api_keys(s.api_keys_file or None, s.api_keys or None), s.rate_limit_rpm)
     model = ModelCard.load(s.model_dir, s.model_name or None)
     # A causal model has no concepts: no steering service to reach or wait for.

@@ -194,9 +194,18 @@ class OpenAIFormatter:
         return self._chunk([self._choice(text, None)])
 
     def step_chunk(self, s: common_pb2.StepEvent) -> dict[str, Any]:
+        cde: dict[str, Any] = {"step": s.step, "block_index": s.block_index, "positions": list(s.positions),
+                               "tokens": list(s.tokens),
+                               # each token's own text, for clients that draw the block as it fills (/ui)
+                               "texts": [token_text(self.tokenizer, t) for t in s.tokens]}
+        if self.isd:   # one event per forward: what it verified
+            cde["drafts_proposed"] = s.drafts_proposed
+            cde["drafts_accepted"] = s.drafts_accepted
+            if s.HasField("rejected_token"):
+                cde["rejected_token"] = s.rejected_token
+                cde["rejected_text"] = token_text(self.tokenizer, s.rejected_token)
         return {"id": self.id, "object": "cde.step", "created": self.created, "model": self.model, "choices": [],
-                "cde": {"step": s.step, "block_index": s.block_index, "positions": list(s.positions),
-                        "tokens": list(s.tokens)}}
+                "cde": cde}
 
     def final_chunk(self, finish_reason: str) -> dict[str, Any]:
         return self._chunk([self._choice(None if self.chat else "", finish_reason)])

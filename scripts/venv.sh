@@ -14,7 +14,7 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -r "$req"
   if [ "$req" = "requirements-test.txt" ]; then
     # The oracle (Guide Labs' public steerling package) declares Python>=3.13 and old pins;
-    # its model code runs on 3.11 and current torch (shared/spec/steerling.md).
+    # its model code runs on 3.11 and current torch (docs/STEERLING.md).
     .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --ignore-requires-python steerling==0.2.0
   fi
   touch "$stamp"

@@ -1,10 +1,11 @@
 """The steering service's model-side state and rules, free of gRPC plumbing.
 
-`SteeringBackend` holds the concept catalog and exactly two checkpoint tensors, both
-memory-mapped views (`CheckpointReader.get` is zero-copy on CPU): the known concepts'
-embeddings (a request touches only its own rows) and the tied token embedding = LM head
-(alpha normalization and the suppress relu mask need all of it). The transformer is never
-loaded, so the service starts in seconds and stays small even for Steerling-8B.
+`SteeringBackend` holds the concept catalog and four checkpoint tensors, all memory-mapped
+views (`CheckpointReader.get` is zero-copy on CPU): the known concepts' embeddings (a request
+touches only its own rows), the tied token embedding = LM head (alpha normalization, the
+suppress relu mask and a concept's top tokens need all of it) and the discovered head's two
+factors (rank r, for discovered concepts' top tokens). The transformer is never loaded, so the
+service starts in seconds and stays small even for Steerling-8B.
 
 Every public method takes and returns cde.v1 messages and raises `RequestError` with the
 gRPC status the caller must answer; the servicer only translates.
@@ -20,30 +21,22 @@ from pathlib import Path
 import grpc
 import torch
 
+from cde import limits as L
 from cde.checkpoint import CheckpointError, CheckpointReader
 from cde.rpc import floats_to_bytes
-from cde.rpc.v1 import common_pb2
-from cde.steerling.catalog import Concept, ConceptCatalog
+from cde.rpc.v1 import common_pb2, steering_pb2
+from cde.steerling.catalog import HEADS, Concept, ConceptCatalog
 from cde.steerling.config import SteerlingConfig
-from cde.steerling.steering import (
-    AMPLIFY_INJECT_LAYER,
-    AMPLIFY_TARGET,
-    DEFAULT_CUTOFF,
-    SUPPRESS_TARGET,
-    SteeringSpec,
-    prepare,
-)
+from cde.steerling.steering import SteeringSpec, prepare
 
 KNOWN_EMBEDDING = "known_head.concept_embedding.weight"
 TOKEN_EMBEDDING = "transformer.tok_emb.weight"  # tied with the LM head
+DISC_COEF = "unknown_head.embedding_coef.weight"    # discovered embedding = basis(coef[j])
+DISC_BASIS = "unknown_head.embedding_basis.weight"
+TOP_TOKEN_ROWS = 16384   # LM-head rows scored at once: bounds the fp32 temporary (8B: 256 MiB)
 
-MAX_CONCEPTS = 16
-MAX_STRENGTH = 10.0
-MAX_ABS_TARGET = 50.0
-MAX_CUTOFF_TOKENS = 4096
-MAX_QUERY_CHARS = 200
-DEFAULT_SEARCH_LIMIT = 20
-MAX_SEARCH_LIMIT = 200  # larger limits are clamped: a search answer is for people, not bulk export
+# Bounds and defaults: cde.limits (the gateway checks the same ones first). Search limits above
+# the maximum are clamped: a search answer is for people, not bulk export.
 
 _SCHEDULES = {"fixed": common_pb2.STEERING_SCHEDULE_FIXED, "hard_cutoff": common_pb2.STEERING_SCHEDULE_HARD_CUTOFF}
 _SCHEDULE_OVERRIDES = {common_pb2.STEERING_SCHEDULE_FIXED: "fixed",
@@ -86,11 +79,15 @@ class SteeringBackend:
         self._reader = CheckpointReader(model_dir)
         self.known_embedding = self._reader.get(KNOWN_EMBEDDING)  # (n_known_padded, D) mmap view
         self.lm_weight = self._reader.get(TOKEN_EMBEDDING)        # (V, D) mmap view
-        d = self.cfg.n_embd
-        for name, t, rows in ((KNOWN_EMBEDDING, self.known_embedding, self.cfg.n_known_padded),
-                              (TOKEN_EMBEDDING, self.lm_weight, self.cfg.vocab_size)):
-            if tuple(t.shape) != (rows, d):
-                raise CheckpointError(f"{name}: expected shape {(rows, d)} from config.json, got {tuple(t.shape)}")
+        self.disc_coef = self._reader.get(DISC_COEF)              # (n_discovered_padded, r) mmap view
+        self.disc_basis = self._reader.get(DISC_BASIS)            # (D, r) mmap view
+        d, r = self.cfg.n_embd, self.cfg.factorize_rank
+        for name, t, shape in ((KNOWN_EMBEDDING, self.known_embedding, (self.cfg.n_known_padded, d)),
+                               (TOKEN_EMBEDDING, self.lm_weight, (self.cfg.vocab_size, d)),
+                               (DISC_COEF, self.disc_coef, (self.cfg.n_discovered_padded, r)),
+                               (DISC_BASIS, self.disc_basis, (d, r))):
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"{name}: expected shape {shape} from config.json, got {tuple(t.shape)}")
         # by_name() knows only known concepts; discovered names are indexed here so that naming one
         # is INVALID_ARGUMENT ("not steerable") rather than a misleading NOT_FOUND.
         self._discovered_by_name: dict[str, Concept] = {}
@@ -113,11 +110,56 @@ class SteeringBackend:
         query = request.query.strip()
         if not query:
             raise _invalid("query must not be empty")
-        if len(request.query) > MAX_QUERY_CHARS:
-            raise _invalid(f"query is {len(request.query)} characters; at most {MAX_QUERY_CHARS}")
-        limit = min(request.limit or DEFAULT_SEARCH_LIMIT, MAX_SEARCH_LIMIT)
+        if len(request.query) > L.SEARCH_QUERY_MAX_CHARS:
+            raise _invalid(f"query is {len(request.query)} characters; at most {L.SEARCH_QUERY_MAX_CHARS}")
+        limit = min(request.limit or L.DEFAULT_SEARCH_LIMIT, L.SEARCH_LIMIT_MAX)
         hits = self.catalog.search(query, limit, request.known_only)
         return common_pb2.SearchConceptsResponse(concepts=[concept_message(c) for c in hits])
+
+    def list_concepts(self, request: steering_pb2.ListConceptsRequest) -> steering_pb2.ListConceptsResponse:
+        self.check_model(request.model)
+        limit = request.limit or L.DEFAULT_LIST_LIMIT
+        if limit > L.LIST_LIMIT_MAX:
+            raise _invalid(f"limit {limit} is outside [1, {L.LIST_LIMIT_MAX}]")
+        if request.head and request.head not in HEADS:
+            raise _invalid(f"head {request.head!r} is not one of {', '.join(HEADS)}")
+        concepts, more = self.catalog.page(
+            limit, request.after if request.HasField("after") else None, request.head or None,
+            request.group_id if request.HasField("group_id") else None,
+            request.steerable if request.HasField("steerable") else None)
+        return steering_pb2.ListConceptsResponse(concepts=[concept_message(c) for c in concepts], has_more=more)
+
+    def describe(self, request: steering_pb2.DescribeConceptRequest) -> steering_pb2.ConceptDetail:
+        """The concept and its top tokens; reads the whole LM head (callers keep it off the event loop)."""
+        self.check_model(request.model)
+        k = request.top_tokens if request.HasField("top_tokens") else L.DEFAULT_TOP_TOKENS
+        if k > L.TOP_TOKENS_MAX:
+            raise _invalid(f"top_tokens {k} is outside [0, {L.TOP_TOKENS_MAX}]")
+        c = self._lookup("concept_id", request.concept_id, "")
+        out = steering_pb2.ConceptDetail(concept=concept_message(c))
+        if k:
+            ids, scores = self.top_tokens(c.concept_id, k)
+            out.top_tokens.extend(steering_pb2.ConceptTopToken(token_id=i, score=v) for i, v in zip(ids, scores))
+        return out
+
+    def concept_embedding(self, concept_id: int) -> torch.Tensor:
+        """(D,) fp32 embedding of a known (dense row) or discovered (basis . coef row) concept."""
+        if concept_id < self.cfg.n_known:
+            return self.known_embedding[concept_id].float()
+        j = concept_id - self.cfg.n_known
+        return torch.nn.functional.linear(self.disc_coef[j].float(), self.disc_basis.float())
+
+    def top_tokens(self, concept_id: int, k: int) -> tuple[list[int], list[float]]:
+        """The k vocabulary rows with the largest LM-head alignment to the unit concept embedding,
+        as the public package's `SteerlingGenerator.concept_top_tokens` computes it (every row of
+        the head, padding rows included), scored in slices so no (V, D) fp32 copy is made."""
+        emb = self.concept_embedding(concept_id)
+        emb = emb / (emb.norm() + 1e-12)
+        with self._build_lock:  # one full-head pass at a time, like build()
+            scores = torch.cat([self.lm_weight[i:i + TOP_TOKEN_ROWS].float() @ emb
+                                for i in range(0, self.lm_weight.shape[0], TOP_TOKEN_ROWS)])
+        values, indices = scores.topk(min(k, scores.numel()))
+        return indices.tolist(), values.tolist()
 
     def _lookup(self, which: str | None, concept_id: int, name: str) -> Concept:
         if which == "concept_id":
@@ -133,7 +175,7 @@ class SteeringBackend:
             return c
         raise _invalid("a concept needs a concept_id or a name")
 
-    def get_concept(self, request) -> common_pb2.Concept:
+    def get_concept(self, request: steering_pb2.GetConceptRequest) -> common_pb2.Concept:
         self.check_model(request.model)
         return concept_message(self._lookup(request.WhichOneof("ref"), request.concept_id, request.name))
 
@@ -142,8 +184,8 @@ class SteeringBackend:
         """Known-concept ids and their direction weights, in request order; raises RequestError."""
         if not steering.concepts:
             raise _invalid("steering needs at least one concept")
-        if len(steering.concepts) > MAX_CONCEPTS:
-            raise _invalid(f"{len(steering.concepts)} concepts; at most {MAX_CONCEPTS}")
+        if len(steering.concepts) > L.MAX_CONCEPTS:
+            raise _invalid(f"{len(steering.concepts)} concepts; at most {L.MAX_CONCEPTS}")
         ids: list[int] = []
         weights: list[float] = []
         for i, sc in enumerate(steering.concepts):
@@ -155,10 +197,11 @@ class SteeringBackend:
                 raise _invalid(f"concept {asked} ({c.name}) is not steerable")
             if c.concept_id in ids:
                 raise _invalid(f"concept {asked} ({c.name}) is given twice")
-            if not math.isfinite(sc.strength) or not 0.0 <= sc.strength <= MAX_STRENGTH:
-                raise _invalid(f"concept {asked}: strength {sc.strength} is outside [0, {MAX_STRENGTH:g}]")
+            # 0 is the proto default: unset, i.e. the default strength
+            if not math.isfinite(sc.strength) or not 0.0 <= sc.strength <= L.STRENGTH_MAX:
+                raise _invalid(f"concept {asked}: strength {sc.strength} is outside (0, {L.STRENGTH_MAX:g}]")
             ids.append(c.concept_id)
-            weights.append(sc.strength or 1.0)
+            weights.append(sc.strength or L.DEFAULT_STRENGTH)
         return ids, weights
 
     def spec(self, steering: common_pb2.SteeringRequest) -> tuple[SteeringSpec, list[float]]:
@@ -167,30 +210,29 @@ class SteeringBackend:
         target = None
         if steering.HasField("target"):
             target = steering.target
-            if not math.isfinite(target) or abs(target) > MAX_ABS_TARGET:
-                raise _invalid(f"target {target} is outside [-{MAX_ABS_TARGET:g}, {MAX_ABS_TARGET:g}]")
-        layer = None
+            if not math.isfinite(target) or abs(target) > L.TARGET_ABS_MAX:
+                raise _invalid(f"target {target} is outside [-{L.TARGET_ABS_MAX:g}, {L.TARGET_ABS_MAX:g}]")
+        amplify = steering.mode == common_pb2.STEERING_MODE_AMPLIFY
+        layer = L.default_inject_layer(self.cfg.n_layers, amplify)
         if steering.HasField("inject_layer"):
             layer = steering.inject_layer
-            if not 1 <= layer <= self.cfg.n_layers:
-                raise _invalid(f"inject_layer {layer} is outside 1..{self.cfg.n_layers}")
-        cutoff = DEFAULT_CUTOFF
+            lo, hi = L.inject_layer_bounds(self.cfg.n_layers)
+            if not lo <= layer <= hi:
+                raise _invalid(f"inject_layer {layer} is outside [{lo}, {hi}]")
+        cutoff = L.DEFAULT_CUTOFF
         if steering.HasField("cutoff_tokens"):
             cutoff = steering.cutoff_tokens
-            if not 1 <= cutoff <= MAX_CUTOFF_TOKENS:
-                raise _invalid(f"cutoff_tokens {cutoff} is outside 1..{MAX_CUTOFF_TOKENS}")
+            if not L.CUTOFF_MIN <= cutoff <= L.CUTOFF_MAX:
+                raise _invalid(f"cutoff_tokens {cutoff} is outside [{L.CUTOFF_MIN}, {L.CUTOFF_MAX}]")
         if steering.schedule != common_pb2.STEERING_SCHEDULE_DEFAULT and steering.schedule not in _SCHEDULE_OVERRIDES:
             raise _invalid(f"unknown steering schedule {steering.schedule}")
 
-        if steering.mode == common_pb2.STEERING_MODE_AMPLIFY:
-            # The preset's layer 8 is meant for 32-layer models; clamp it so small models still steer.
-            spec = SteeringSpec.amplify(ids, AMPLIFY_TARGET if target is None else target,
-                                        min(AMPLIFY_INJECT_LAYER, self.cfg.n_layers) if layer is None else layer,
-                                        cutoff)
+        if amplify:
+            spec = SteeringSpec.amplify(ids, L.AMPLIFY_TARGET if target is None else target, layer, cutoff)
         elif steering.mode == common_pb2.STEERING_MODE_SUPPRESS:
             focal, given = ids[0], dict(zip(ids, weights))
             group = list(dict.fromkeys(ids[1:] + self.catalog.group_neighbours(focal)))
-            spec = SteeringSpec.suppress(focal, group, SUPPRESS_TARGET if target is None else target, layer)
+            spec = SteeringSpec.suppress(focal, group, L.SUPPRESS_TARGET if target is None else target, layer)
             spec = dataclasses.replace(spec, cutoff_tokens=cutoff)
             weights = [given.get(c, 1.0) for c in spec.concept_ids]  # neighbours weigh 1
         else:
@@ -216,4 +258,4 @@ class SteeringBackend:
 
     def tensor_names(self) -> tuple[str, ...]:
         """The checkpoint tensors this backend holds (tests check the transformer stays unloaded)."""
-        return (KNOWN_EMBEDDING, TOKEN_EMBEDDING)
+        return (KNOWN_EMBEDDING, TOKEN_EMBEDDING, DISC_COEF, DISC_BASIS)

@@ -1,4 +1,5 @@
-"""The cde.v1.Steering gRPC server: catalog search, concept lookup, prepared steering vectors.
+"""The cde.v1.Steering gRPC server: catalog search, listing and lookup (with a concept's top
+tokens), prepared steering vectors.
 
 The server binds and starts before the model is read, answering health NOT_SERVING (and
 UNAVAILABLE to calls) until the catalog and tensors are loaded, so an orchestrator sees a
@@ -80,6 +81,21 @@ class SteeringServicer(steering_pb2_grpc.SteeringServicer):
         backend = await self._ready(context)
         try:
             return backend.get_concept(request)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+    async def ListConcepts(self, request, context):
+        backend = await self._ready(context)
+        try:
+            return backend.list_concepts(request)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+    async def DescribeConcept(self, request, context):
+        backend = await self._ready(context)
+        try:
+            # off the event loop: the top tokens read the whole (V, D) LM head
+            return await asyncio.to_thread(backend.describe, request)
         except RequestError as e:
             await context.abort(e.code, e.message)
 

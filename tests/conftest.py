@@ -1,9 +1,12 @@
-"""Project-wide test rules: tests marked `gpu` are skipped where CUDA is not available."""
+"""Project-wide test rules: tests marked `gpu` are skipped where CUDA is not available; a run that
+changes the git working tree fails (tests/clean_tree.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.clean_tree import pytest_sessionfinish, pytest_sessionstart  # noqa: F401 - hooks
 
 
 def pytest_collection_modifyitems(config, items):

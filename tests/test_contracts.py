@@ -366,6 +366,20 @@ class Steering(steering_pb2_grpc.SteeringServicer):
             return common_pb2.Concept(id=0, name="ocean", head="known", group_id=0, group_name="water")
         await context.abort(grpc.StatusCode.NOT_FOUND, "unknown concept")
 
+    async def ListConcepts(self, request, context):
+        _called("Steering", "ListConcepts")
+        start = request.after + 1 if request.HasField("after") else 0
+        ids = range(start, min(start + (request.limit or 50), 100))
+        return steering_pb2.ListConceptsResponse(
+            concepts=[common_pb2.Concept(id=i, name=f"c{i}", head=request.head or "known") for i in ids],
+            has_more=start + len(ids) < 100)
+
+    async def DescribeConcept(self, request, context):
+        _called("Steering", "DescribeConcept")
+        top = [steering_pb2.ConceptTopToken(token_id=t, score=1.0 / (t + 1)) for t in range(request.top_tokens)]
+        return steering_pb2.ConceptDetail(concept=common_pb2.Concept(id=request.concept_id, name="ocean"),
+                                          top_tokens=top)
+
     async def BuildSteering(self, request, context):
         _called("Steering", "BuildSteering")
         direction = torch.zeros(self.D, dtype=torch.bfloat16)
@@ -478,6 +492,13 @@ def test_every_rpc_through_the_generated_stubs():
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await steer.GetConcept(steering_pb2.GetConceptRequest(concept_id=999))
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            page = await steer.ListConcepts(steering_pb2.ListConceptsRequest(limit=30, after=79, head="discovered",
+                                                                              group_id=2, steerable=False))
+            assert [c.id for c in page.concepts] == list(range(80, 100)) and not page.has_more
+            assert page.concepts[0].head == "discovered"
+            detail = await steer.DescribeConcept(steering_pb2.DescribeConceptRequest(concept_id=5, top_tokens=3))
+            assert detail.concept.id == 5 and [t.token_id for t in detail.top_tokens] == [0, 1, 2]
+            assert detail.top_tokens[1].score == pytest.approx(0.5)
             prepared = await steer.BuildSteering(steering_pb2.BuildSteeringRequest(
                 model="steerling-8b", steering=common_pb2.SteeringRequest(
                     concepts=[common_pb2.SteeringConcept(concept_id=3)], mode=common_pb2.STEERING_MODE_SUPPRESS)))

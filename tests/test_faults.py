@@ -9,11 +9,11 @@ AOF, steering, attribution, scheduler, workers, gateway; tiny model on the CPU).
    (error event for a running request, NOT_FOUND for Resume) and new requests work again;
 4. a client disconnect and an expired gRPC deadline free the request's KV pages at once;
 5. overload: a burst over --max-running/--max-queue gets fast 429s with Retry-After, the
-   admitted requests finish (latencies -> bench/results/overload-local-cpu.json);
+   admitted requests finish (latencies -> overload-local-cpu.json, see results_dir);
 6. hostile input (schemathesis on /openapi.json, malformed/oversized gRPC messages, invalid
    UTF-8, huge unicode strings, special-token spellings): never a 5xx, nothing dies;
 7. API keys and per-key rate limits;
-8. locust, headless, against the stack (figures -> bench/results/load-locust-local-cpu.json).
+8. locust, headless, against the stack (figures -> load-locust-local-cpu.json, see results_dir).
 
 Tests that kill or reconfigure a component start their own stack; the others share one.
 Figures for the notes are printed with a ``[fault]`` prefix.
@@ -32,6 +32,7 @@ import textwrap
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import grpc
 import httpx
@@ -46,12 +47,18 @@ from cde.steerling.tokenizer import ByteTokenizer
 from tests.stack_fixture import (MODEL, PROMPT, StreamResult, all_alive, chat_body, kill, restart_service,
                                  running_stack, service, worker_info, workers, write_json)
 
-RESULTS = ROOT / "bench" / "results"
+RESULTS_ENV = "CDE_RESULTS_DIR"
 TOK = ByteTokenizer()
 FINISHED_OK = ("stop", "length")
 
 
 REPORT_TAG = "fault"   # the `report` fixture (conftest.py) prints "[fault] ..."
+
+
+def results_dir(tmp_path) -> Path:
+    """Where the figures go: $CDE_RESULTS_DIR when set (e.g. bench/results to refresh the committed
+    ones by hand), else the test's temporary directory, so the suite never rewrites tracked files."""
+    return Path(os.environ.get(RESULTS_ENV) or tmp_path)
 
 
 def git_commit() -> str:
@@ -433,7 +440,7 @@ def test_overload_burst_gets_fast_429_with_retry_after_and_admitted_requests_fin
                    "accepted": len(ok), "rejected": len(rejected),
                    "p50_s": round(pct(lat_ok, 50), 4), "p99_s": round(pct(lat_ok, 99), 4),
                    "rejected_max_s": round(max(lat for lat, *_ in rejected), 4)}
-        write_json(RESULTS / "overload-local-cpu.json", figures)
+        write_json(results_dir(tmp_path) / "overload-local-cpu.json", figures)
         assert all_alive(stack) == {}
         report(f"overload: {burst} at once vs max_running {max_running} + max_queue {max_queue}: "
                f"{len(ok)} accepted (p50 {figures['p50_s']:.2f}s, p99 {figures['p99_s']:.2f}s), "
@@ -875,7 +882,7 @@ def test_locust_load_streams_without_failures(shared, tmp_path, report):
                "completion_tokens": int(tokens),
                "time_to_first_block_ms": pcts(ttfb), "inter_block_ms": pcts(gap),
                "request_ms": pcts(done)}
-    write_json(RESULTS / "load-locust-local-cpu.json", figures)
+    write_json(results_dir(tmp_path) / "load-locust-local-cpu.json", figures)
     assert all_alive(shared) == {}
     report(f"locust {users} users {seconds}s ({wall:.0f}s wall): {n} streamed requests, 0 errors, "
            f"{figures['throughput_rps']} req/s, {figures['tokens_per_s']} tok/s; time to first block p50 "

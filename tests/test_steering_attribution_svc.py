@@ -108,8 +108,9 @@ def test_unit_services_hold_only_the_head_tensors(model):
 
     backend = SteeringBackend(MODEL_DIR)
     tensors = {k for k, v in vars(backend).items() if isinstance(v, torch.Tensor)}
-    assert tensors == {"known_embedding", "lm_weight"}
-    assert backend.tensor_names() == ("known_head.concept_embedding.weight", "transformer.tok_emb.weight")
+    assert tensors == {"known_embedding", "lm_weight", "disc_coef", "disc_basis"}
+    assert backend.tensor_names() == ("known_head.concept_embedding.weight", "transformer.tok_emb.weight",
+                                      "unknown_head.embedding_coef.weight", "unknown_head.embedding_basis.weight")
     assert backend.model_name == "steerling-tiny"
 
 

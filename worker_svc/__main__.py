@@ -13,6 +13,7 @@ import argparse
 import os
 import socket
 
+from cde import limits
 from cde.rpc.serving import run_main
 from worker_svc.service import DEFAULT_PORT, serve
 
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-pages", type=int, default=int(env("CDE_KV_PAGES", 0)) or None,
                     help="KV pages (default: from free GPU memory; 256 on the CPU)")
     ap.add_argument("--max-slots", type=int, default=int(env("CDE_MAX_SLOTS", 64)))
-    ap.add_argument("--max-stride", type=int, default=int(env("CDE_MAX_STRIDE", 8)),
+    ap.add_argument("--max-stride", type=int, default=int(env("CDE_MAX_STRIDE", limits.MAX_STRIDE)),
                     help="causal models: the largest decode.isd_stride served")
     ap.add_argument("--threads", type=int, default=int(env("CDE_TORCH_THREADS", 0)),
                     help="CPU: torch intra-op threads (0 = torch's default, one per core; several workers "

@@ -4,11 +4,11 @@
     python -m worker_svc.bench --preset tiny --concurrency 1,4 --new-tokens 64   # CPU smoke run
 
 steerling-8b uses random bf16 weights on the GPU (compiled + CUDA graphs); the floor
-(worker_svc.floor, same method as shared/perf/gpu_floor.py) is measured in the same run with
+(worker_svc.floor, method in docs/BENCHMARKS.md) is measured in the same run with
 the preset's own sizes. Each run submits C requests at once (prompt 128 random tokens, 256 new
 tokens, one token per step) and runs the engine until all finish. "on" = every request steered
 (fixed schedule, so injection stays on) and its raw concept records copied to the host; "off"
-= neither. Writes one JSON (fields of shared/perf/ANCHORS.md) after every run, so a run cut
+= neither. Writes one JSON (fields of docs/BENCHMARKS.md) after every run, so a run cut
 short still leaves its figures.
 """
 
@@ -83,7 +83,7 @@ def git_commit() -> str:
 
 
 def run_record(module: str, preset_name: str, decoder: str, cuda: bool, dtype: torch.dtype, **extra) -> dict:
-    """The fields every bench JSON starts with (shared/perf/ANCHORS.md): what ran, where, how."""
+    """The fields every bench JSON starts with (docs/BENCHMARKS.md): what ran, where, how."""
     return {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
             "preset": preset_name, "decoder": decoder,
             "command": " ".join([sys.executable, "-m", module] + sys.argv[1:]),
@@ -221,7 +221,7 @@ def merge_reference(out: Path, log: Path) -> None:
         if m:
             key = m.group(1) + ("_attribution_cb" if m.group(2) == "True" else "")
             ref[key] = float(m.group(3))
-    result["reference"] = {"tok_per_s": ref, "script": "shared/perf/anchor_steerling_ref.py", "new_tokens": 128}
+    result["reference"] = {"tok_per_s": ref, "script": "bench/anchor_steerling_ref.py", "new_tokens": 128}
     ours = {r["concurrency"]: r["tok_per_s"] for r in result["runs"] if r["attribution"] and r["new_tokens"] == 256}
     result["speedup_vs_reference"] = {
         str(c): ours[c] / ref[str(c)] for c in (1, 4) if c in ours and str(c) in ref}
@@ -248,7 +248,7 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="concurrencies to profile kernel by kernel (e.g. 1,32)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge-reference", default=None, metavar="LOG",
-                    help="merge shared/perf/anchor_steerling_ref.py output into --out and exit")
+                    help="merge bench/anchor_steerling_ref.py output into --out and exit")
     args = ap.parse_args()
     if args.merge_reference:
         merge_reference(Path(args.out), Path(args.merge_reference))

@@ -4,7 +4,7 @@
     python -m worker_svc.bench_isd --preset tiny --concurrency 1,4 --new-tokens 32   # CPU smoke run
 
 idlm-8b uses random bf16 weights on the GPU (regional compile + CUDA graphs by default). The
-floor (worker_svc.floor, the method of shared/perf/gpu_floor.py) is measured in the same run with the preset's sizes for a
+floor (worker_svc.floor, method in docs/BENCHMARKS.md) is measured in the same run with the preset's sizes for a
 2N-1-query window (7 queries at N = 4) and for 1 query (AR). Each run submits C requests at
 once (prompt 128 random tokens, `--new-tokens` each, greedy unless `--temperature`) and steps
 the engine until all finish; ms/forward = wall time / engine steps (decode steps; the prefill is timed apart).
@@ -21,7 +21,7 @@ shows as idle only where it exceeds the GPU's; `--no-overlap` measures what that
 (the heap alive after warm-up is frozen out of the collector's view, as the worker does). `--profile 1,32`
 runs warm decode steps eagerly (no CUDA graphs) under torch.profiler at those concurrencies and
 records the top kernels (on the CPU: operators, self time) with calls per step.
-Writes one JSON after every run (fields of shared/perf/ANCHORS.md).
+Writes one JSON after every run (fields of docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from cde import limits as L
 from cde.qwen3.config import IDLM_8B, TINY, Qwen3Config
 from cde.rpc.v1 import common_pb2, worker_pb2
 from worker_svc.engine.isd_engine import (
@@ -33,7 +34,7 @@ from worker_svc.engine.isd_engine import (
     IsdFinishEvent,
     IsdOptions,
 )
-from worker_svc.validation import BadRequest, checked_prompt, signed_seed
+from worker_svc.validation import BadRequest, check_sampling, check_stop_ids, checked_prompt, signed_seed
 
 BLOCK = 64
 CHUNK_TOKENS = 16   # tokens per streamed chunk: latency vs one Redis write per chunk
@@ -49,6 +50,7 @@ class CausalJob:
     committed: list[int]
     next_step: int
     stop_ids: frozenset[int]
+    stream_steps: bool = False   # one StepEvent per forward (accepted drafts, bonus / correction)
 
 
 def causal_preset_name(cfg: Qwen3Config) -> str:
@@ -71,12 +73,12 @@ def isd_options(d: common_pb2.DecodeOptions, sp: common_pb2.SamplingOptions, max
         raise BadRequest("sampling.use_entropy_sampling applies to block-diffusion models only")
     if sp.HasField("repetition_penalty") and sp.repetition_penalty != 1.0:
         raise BadRequest("sampling.repetition_penalty must be 1 for causal (ISD) decoding")
-    temperature = sp.temperature if sp.HasField("temperature") else 1.0
-    top_p = sp.top_p if sp.HasField("top_p") else 1.0
-    if not (temperature >= 0 and temperature < float("inf")):
-        raise BadRequest(f"sampling.temperature must be a finite number >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise BadRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
+    defaults = L.CAUSAL_SAMPLING
+    temperature = sp.temperature if sp.HasField("temperature") else defaults.temperature
+    top_p = sp.top_p if sp.HasField("top_p") else defaults.top_p
+    check_sampling(temperature, top_p, defaults.repetition_penalty)
+    if top_p == 0.0:   # the nucleus of mass 0 is the most likely token alone: greedy (as Steerling reads it)
+        temperature, top_p = 0.0, 1.0
     seed = d.seed if d.HasField("seed") else 0
     return IsdOptions(max_new_tokens=d.max_new_tokens, stride=stride, temperature=float(temperature),
                       top_p=float(top_p), seed=signed_seed(seed), stop_ids=tuple(d.stop_ids))
@@ -91,9 +93,7 @@ def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_li
     if len(prompt) + options.max_new_tokens > cfg.max_positions:
         raise BadRequest(f"prompt ({len(prompt)}) + max_new_tokens ({options.max_new_tokens}) exceeds the "
                                f"context of {cfg.max_positions}")
-    stops = [t for t in req.decode.stop_ids if t >= token_limit]
-    if stops:
-        raise BadRequest(f"decode.stop_ids {stops[:4]} are outside the vocabulary ({token_limit})")
+    check_stop_ids(list(req.decode.stop_ids), token_limit)
     committed = list(req.committed_tokens)
     if any(t >= cfg.vocab_size for t in committed) or len(committed) >= options.max_new_tokens:
         raise BadRequest("committed_tokens must be vocabulary ids, fewer than max_new_tokens")
@@ -102,7 +102,7 @@ def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_li
         raise BadRequest(f"the request needs {pages} KV pages; this worker has {pages_usable}",
                                grpc.StatusCode.RESOURCE_EXHAUSTED)
     return CausalJob(req.request_id, prompt, options, committed, req.next_step,
-                     frozenset(cfg.eos_token_ids) | frozenset(req.decode.stop_ids))
+                     frozenset(cfg.eos_token_ids) | frozenset(req.decode.stop_ids), req.stream_steps)
 
 
 def completion_length(tokens: list[int], stops: frozenset[int]) -> int:
@@ -147,6 +147,19 @@ class ChunkWriter:
         return completion_length(self.tokens, self.job.stop_ids)
 
 
+def forward_step(job: CausalJob, ev: IsdCommitEvent, chunk_tokens: int = CHUNK_TOKENS) -> common_pb2.StepEvent:
+    """One forward's tokens at their absolute positions, with what it verified: the first
+    `drafts_accepted` are accepted drafts, the next the bonus or the correction of `rejected_token`.
+    block_index is the chunk the forward's first token lands in (ChunkWriter's numbering)."""
+    first = len(job.prompt) + ev.start
+    out = common_pb2.StepEvent(step=ev.step, block_index=len(job.prompt) // BLOCK + ev.start // chunk_tokens,
+                               positions=range(first, first + len(ev.tokens)), tokens=ev.tokens,
+                               drafts_proposed=ev.proposed, drafts_accepted=ev.accepted)
+    if ev.rejected is not None:
+        out.rejected_token = ev.rejected
+    return out
+
+
 def isd_usage(prompt_tokens: int, completion_tokens: int, forwards: int, acceptance: float) -> common_pb2.Usage:
     return common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, steps=forwards,
                             forwards=forwards, tokens_per_forward=completion_tokens / forwards if forwards else 0.0,
@@ -176,6 +189,8 @@ async def causal_submit(servicer, request, context):
         try:
             async for ev in stream:
                 if isinstance(ev, IsdCommitEvent):
+                    if job.stream_steps:
+                        yield worker_pb2.WorkerEvent(step=forward_step(job, ev))
                     writer.add(ev.tokens)
                     for block in writer.chunks(ev.step, final=False):
                         yield worker_pb2.WorkerEvent(block=block)

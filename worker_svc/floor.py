@@ -1,6 +1,6 @@
 """The GPU floor for one forward at a preset's sizes, measured in the same run as the engine.
 
-Same method as shared/perf/gpu_floor.py: random bf16 weights, the dense projections of every
+The method (docs/BENCHMARKS.md): random bf16 weights, the dense projections of every
 layer + the LM head for `queries` tokens per sequence, SDPA over `context` cached keys,
 captured in a CUDA graph and replayed, so launch gaps are excluded. No norms, no RoPE, no
 concept heads: it is the part no implementation can avoid.

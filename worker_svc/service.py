@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from cde import limits as L
 from cde.model_family import CAUSAL, model_family
 from cde.rpc import bytes_to_floats, channel_options, make_server, service_name
 from cde.rpc.serving import serve_until_signal
@@ -55,7 +56,15 @@ from worker_svc.engine.engine import (
     FinishEvent,
     StepEvent,
 )
-from worker_svc.validation import BadRequest, checked_prompt, signed_seed
+from worker_svc.validation import (
+    BadRequest,
+    check_cutoff,
+    check_inject_layer,
+    check_sampling,
+    check_stop_ids,
+    checked_prompt,
+    signed_seed,
+)
 
 log = logging.getLogger("worker_svc")
 
@@ -94,14 +103,7 @@ def _sampling(sp: common_pb2.SamplingOptions) -> SamplingParams:
         temperature=sp.temperature if sp.HasField("temperature") else d.temperature,
         top_p=sp.top_p if sp.HasField("top_p") else d.top_p,
         repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else d.repetition_penalty)
-    for name in ("temperature", "top_p", "repetition_penalty"):
-        v = getattr(params, name)
-        if not math.isfinite(v) or v < 0:
-            raise BadRequest(f"sampling.{name} must be a finite number >= 0, got {v}")
-    if params.top_p > 1:
-        raise BadRequest(f"sampling.top_p must be <= 1, got {params.top_p}")
-    if params.repetition_penalty == 0:
-        raise BadRequest("sampling.repetition_penalty must be > 0")
+    check_sampling(params.temperature, params.top_p, params.repetition_penalty)
     return params
 
 
@@ -111,15 +113,15 @@ def decode_options(d: common_pb2.DecodeOptions, sp: common_pb2.SamplingOptions, 
         raise BadRequest("decode.max_new_tokens must be >= 1 (the gateway resolves the default)")
     if d.isd_stride:
         raise BadRequest("decode.isd_stride is not supported by a block-diffusion model (use 0)")
-    k = d.tokens_per_step or 1
-    if k > min(K_BUCKETS[-1], cfg.diff_block_size):
-        raise BadRequest(f"decode.tokens_per_step must be <= {min(K_BUCKETS[-1], cfg.diff_block_size)}")
+    k = d.tokens_per_step or L.DEFAULT_TOKENS_PER_STEP
+    lo, hi = L.tokens_per_step_bounds(cfg.diff_block_size)
+    hi = min(hi, K_BUCKETS[-1])   # the engine's largest bucket (64, the 8B block size)
+    if not lo <= k <= hi:
+        raise BadRequest(f"decode.tokens_per_step must be in [{lo}, {hi}]")
     threshold = d.confidence_threshold if d.HasField("confidence_threshold") else None
-    if threshold is not None and not 0.0 < threshold <= 1.0:
-        raise BadRequest("decode.confidence_threshold must be in (0, 1]")
-    bad = [t for t in d.stop_ids if t >= token_limit]
-    if bad:
-        raise BadRequest(f"decode.stop_ids {bad[:4]} are outside the vocabulary ({token_limit})")
+    if threshold is not None and not L.THRESHOLD_MIN_EXCLUSIVE < threshold <= L.THRESHOLD_MAX:
+        raise BadRequest(f"decode.confidence_threshold must be in ({L.THRESHOLD_MIN_EXCLUSIVE:g}, {L.THRESHOLD_MAX:g}]")
+    check_stop_ids(list(d.stop_ids), token_limit)
     seed = d.seed if d.HasField("seed") else int.from_bytes(os.urandom(8), "little") >> 1
     return DecodeOptions(d.max_new_tokens, _sampling(sp), k, threshold, signed_seed(seed), tuple(d.stop_ids))
 
@@ -140,10 +142,11 @@ def prepared_steering(st: common_pb2.PreparedSteering, cfg: SteerlingConfig, mod
         raise BadRequest("steering.relu_mask_f32 must be finite")
     if not math.isfinite(st.base_alpha):
         raise BadRequest("steering.base_alpha must be finite")
-    if st.inject_layer > cfg.n_layers:
-        raise BadRequest(f"steering.inject_layer must be <= n_layers = {cfg.n_layers}")
+    check_inject_layer(st.inject_layer, cfg.n_layers)
     if st.schedule not in _SCHEDULES:
         raise BadRequest("steering.schedule must be FIXED or HARD_CUTOFF (steering_svc resolves DEFAULT)")
+    if st.schedule == common_pb2.STEERING_SCHEDULE_HARD_CUTOFF:   # a fixed schedule ignores the cutoff
+        check_cutoff(st.cutoff_tokens)
     return PreparedSteering(torch.from_numpy(direction), float(st.base_alpha), int(st.inject_layer),
                             _SCHEDULES[st.schedule], int(st.cutoff_tokens),  # type: ignore[arg-type]
                             None if relu is None else torch.from_numpy(relu))
@@ -373,7 +376,7 @@ class WorkerOptions:
     cuda_graphs: bool = False
     kv_pages: int | None = None
     max_slots: int = 64
-    max_stride: int = 8                 # causal models: the largest decode.isd_stride served
+    max_stride: int = L.MAX_STRIDE      # causal models: the largest decode.isd_stride served
     threads: int = 0                    # CPU: torch intra-op threads (0 = torch's default)
     warmup: bool = True
 

@@ -1,6 +1,6 @@
 """Introspective Strided Decoding (I-DLM): the verify rule, its Triton kernel, reference decoders.
 
-See ``/work/shared/spec/isd.md``. ``verify`` holds the acceptance rule (torch, float64
+See docs/ISD.md. ``verify`` holds the acceptance rule (torch, float64
 reference, Triton), ``decoder`` the plain full-recompute AR and ISD decoders the engine
 must match, ``toy`` a hand-built model whose mask positions draft well (for tests).
 """

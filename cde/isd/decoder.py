@@ -1,6 +1,6 @@
 """Reference decoders for a causal Qwen3 model: plain AR and Introspective Strided Decoding.
 
-Plain and full-recompute, written to be the oracle for the engine (``/work/shared/spec/isd.md``):
+Plain and full-recompute, written to be the oracle for the engine (docs/ISD.md):
 every forward runs prompt + committed tokens + the query window through the model with a
 plain causal mask (mask positions see earlier masks); nothing is cached, so "freeing KV"
 is implicit: a rejected or mask slot is simply not part of the next forward's prefix.

@@ -11,10 +11,12 @@ User-facing ids: known concepts 0..n_known-1, discovered n_known + j.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from pathlib import Path
 
 LABELS_FILE = "concept_labels.parquet"
+HEADS = ("known", "discovered")
 
 _TINY_WORDS = [
     "ocean", "river", "rain", "mountain", "music", "melody", "rhythm", "song",
@@ -45,11 +47,14 @@ class ConceptCatalog:
     def __init__(self, concepts: list[Concept], n_known: int):
         self.n_known = n_known
         self._by_id = {c.concept_id: c for c in concepts}
+        self._ids = sorted(self._by_id)   # listing pages walk ids in order
         self._by_name = {c.name.lower(): c for c in concepts if c.head == "known"}
         self._groups: dict[int, list[int]] = {}
         for c in concepts:
             if c.group_id is not None:
                 self._groups.setdefault(c.group_id, []).append(c.concept_id)
+        for members in self._groups.values():
+            members.sort()
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -133,6 +138,21 @@ class ConceptCatalog:
             hits.append((rank, c.concept_id, c))
         hits.sort(key=lambda t: (t[0], t[1]))
         return [c for _, _, c in hits[:limit]]
+
+    def page(self, limit: int, after: int | None = None, head: str | None = None, group_id: int | None = None,
+             steerable: bool | None = None) -> tuple[list[Concept], bool]:
+        """Up to `limit` concepts with ids above `after`, ascending, that pass every given filter;
+        and whether more pass after them (the next page starts after the last id returned)."""
+        ids = self._groups.get(group_id, []) if group_id is not None else self._ids
+        out: list[Concept] = []
+        for cid in ids[bisect.bisect_right(ids, after) if after is not None else 0:]:
+            c = self._by_id[cid]
+            if (head is not None and c.head != head) or (steerable is not None and c.steerable != steerable):
+                continue
+            if len(out) == limit:
+                return out, True
+            out.append(c)
+        return out, False
 
     def __len__(self) -> int:
         return len(self._by_id)

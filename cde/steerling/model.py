@@ -4,7 +4,7 @@ Plain PyTorch in the gpt-fast style. Parameter names equal the public `steerling
 package's (`transformer.tok_emb.weight`, `transformer.blocks.N.attn.c_attn.weight`,
 `known_head.*`, `unknown_head.*`) so its checkpoints load unchanged.
 
-Architecture (shared/spec/steerling.md): post-norm residuals, fused qkv clamped to
+Architecture (docs/STEERLING.md): post-norm residuals, fused qkv clamped to
 +-clip_qkv, RMSNorm QK-norm before RoPE (theta 500000, full head dim, rotate-half, fp32),
 SwiGLU with `c_fc` split as (up, gate), tied LM head, attention block-causal on absolute
 positions: query i sees key j iff i // 64 >= j // 64.

@@ -18,14 +18,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+# The presets' defaults live with every other request default in cde.limits (re-exported here).
+from cde.limits import AMPLIFY_INJECT_LAYER, AMPLIFY_TARGET, DEFAULT_CUTOFF, SUPPRESS_TARGET  # noqa: F401
+
 Schedule = Literal["fixed", "hard_cutoff"]
 Mode = Literal["amplify", "suppress"]
 
-AMPLIFY_TARGET = 8.0
-AMPLIFY_INJECT_LAYER = 8
-SUPPRESS_TARGET = -7.0
 SUPPRESS_RELU_STRENGTH = 20.0
-DEFAULT_CUTOFF = 32
 
 
 @dataclass(frozen=True)

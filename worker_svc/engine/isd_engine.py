@@ -135,6 +135,7 @@ class IsdCommitEvent:
     proposed: int = 0      # drafts verified this step
     accepted: int = 0      # of those, accepted
     resumable: bool = True  # the next step is cold: committed = completion so far, next_step = step resumes exactly
+    rejected: int | None = None  # the first rejected draft (tokens[accepted] is the correction in its place)
 
 
 @dataclass
@@ -569,6 +570,7 @@ class IsdEngine(StepLoop):
             nk = req.stride - 1
             clean, new_specs, n_acc, corr = r[0], r[1:1 + nk], r[1 + k], r[2 + k]
             proposed = accepted = 0
+            rejected = None
             if row.kind == FIRST:
                 req.kv_len = row.start + row.length
                 st.forwards = 1
@@ -596,12 +598,13 @@ class IsdEngine(StepLoop):
                 else:
                     req.out.extend(drafted[:a] + [corr])
                     req.specs = None
+                    rejected = drafted[a]
                 req.kv_len = row.start + 1 + a
             # out[:before] holds no stop and fewer than max_new tokens (else the request had
             # finished), so the rule only needs the new tokens (all of out made it quadratic)
             new, reason = cut_at_stop(req.out[before:], req.stops, req.options.max_new_tokens - before)
             if new:
                 req.events.append(IsdCommitEvent(req.request_id, st.forwards, before, new, proposed, accepted,
-                                                 req.specs is None))
+                                                 req.specs is None, rejected))
             if reason is not None:
                 self._finish(req, reason)

@@ -229,16 +229,22 @@ class Accepted(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepEvent(_message.Message):
-    __slots__ = ("step", "block_index", "positions", "tokens")
+    __slots__ = ("step", "block_index", "positions", "tokens", "drafts_proposed", "drafts_accepted", "rejected_token")
     STEP_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     step: int
     block_index: int
     positions: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., block_index: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    drafts_proposed: int
+    drafts_accepted: int
+    rejected_token: int
+    def __init__(self, step: _Optional[int] = ..., block_index: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., drafts_proposed: _Optional[int] = ..., drafts_accepted: _Optional[int] = ..., rejected_token: _Optional[int] = ...) -> None: ...
 
 class BlockCommitted(_message.Message):
     __slots__ = ("block_index", "start", "tokens", "records", "token_attributions", "chunk_attributions", "next_step", "last")

@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 from cde.rpc.v1 import common_pb2 as cde_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x63\x64\x65/v1/steering.proto\x12\x06\x63\x64\x65.v1\x1a\x13\x63\x64\x65/v1/common.proto\"O\n\x11GetConceptRequest\x12\x14\n\nconcept_id\x18\x01 \x01(\rH\x00\x12\x0e\n\x04name\x18\x02 \x01(\tH\x00\x12\r\n\x05model\x18\x03 \x01(\tB\x05\n\x03ref\"P\n\x14\x42uildSteeringRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08steering\x18\x02 \x01(\x0b\x32\x17.cde.v1.SteeringRequest2\xde\x01\n\x08Steering\x12O\n\x0eSearchConcepts\x12\x1d.cde.v1.SearchConceptsRequest\x1a\x1e.cde.v1.SearchConceptsResponse\x12\x38\n\nGetConcept\x12\x19.cde.v1.GetConceptRequest\x1a\x0f.cde.v1.Concept\x12G\n\rBuildSteering\x12\x1c.cde.v1.BuildSteeringRequest\x1a\x18.cde.v1.PreparedSteeringb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x63\x64\x65/v1/steering.proto\x12\x06\x63\x64\x65.v1\x1a\x13\x63\x64\x65/v1/common.proto\"O\n\x11GetConceptRequest\x12\x14\n\nconcept_id\x18\x01 \x01(\rH\x00\x12\x0e\n\x04name\x18\x02 \x01(\tH\x00\x12\r\n\x05model\x18\x03 \x01(\tB\x05\n\x03ref\"P\n\x14\x42uildSteeringRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08steering\x18\x02 \x01(\x0b\x32\x17.cde.v1.SteeringRequest\"\xa9\x01\n\x13ListConceptsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x12\n\x05\x61\x66ter\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04head\x18\x04 \x01(\t\x12\x15\n\x08group_id\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x16\n\tsteerable\x18\x06 \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06_afterB\x0b\n\t_group_idB\x0c\n\n_steerable\"K\n\x14ListConceptsResponse\x12!\n\x08\x63oncepts\x18\x01 \x03(\x0b\x32\x0f.cde.v1.Concept\x12\x10\n\x08has_more\x18\x02 \x01(\x08\"c\n\x16\x44\x65scribeConceptRequest\x12\x12\n\nconcept_id\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\ntop_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_top_tokens\"2\n\x0f\x43onceptTopToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x02\"^\n\rConceptDetail\x12 \n\x07\x63oncept\x18\x01 \x01(\x0b\x32\x0f.cde.v1.Concept\x12+\n\ntop_tokens\x18\x02 \x03(\x0b\x32\x17.cde.v1.ConceptTopToken2\xf3\x02\n\x08Steering\x12O\n\x0eSearchConcepts\x12\x1d.cde.v1.SearchConceptsRequest\x1a\x1e.cde.v1.SearchConceptsResponse\x12\x38\n\nGetConcept\x12\x19.cde.v1.GetConceptRequest\x1a\x0f.cde.v1.Concept\x12G\n\rBuildSteering\x12\x1c.cde.v1.BuildSteeringRequest\x1a\x18.cde.v1.PreparedSteering\x12I\n\x0cListConcepts\x12\x1b.cde.v1.ListConceptsRequest\x1a\x1c.cde.v1.ListConceptsResponse\x12H\n\x0f\x44\x65scribeConcept\x12\x1e.cde.v1.DescribeConceptRequest\x1a\x15.cde.v1.ConceptDetailb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -26,6 +26,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETCONCEPTREQUEST']._serialized_end=133
   _globals['_BUILDSTEERINGREQUEST']._serialized_start=135
   _globals['_BUILDSTEERINGREQUEST']._serialized_end=215
-  _globals['_STEERING']._serialized_start=218
-  _globals['_STEERING']._serialized_end=440
+  _globals['_LISTCONCEPTSREQUEST']._serialized_start=218
+  _globals['_LISTCONCEPTSREQUEST']._serialized_end=387
+  _globals['_LISTCONCEPTSRESPONSE']._serialized_start=389
+  _globals['_LISTCONCEPTSRESPONSE']._serialized_end=464
+  _globals['_DESCRIBECONCEPTREQUEST']._serialized_start=466
+  _globals['_DESCRIBECONCEPTREQUEST']._serialized_end=565
+  _globals['_CONCEPTTOPTOKEN']._serialized_start=567
+  _globals['_CONCEPTTOPTOKEN']._serialized_end=617
+  _globals['_CONCEPTDETAIL']._serialized_start=619
+  _globals['_CONCEPTDETAIL']._serialized_end=713
+  _globals['_STEERING']._serialized_start=716
+  _globals['_STEERING']._serialized_end=1087
 # @@protoc_insertion_point(module_scope)

@@ -55,6 +55,16 @@ class SteeringStub(object):
                 request_serializer=cde_dot_v1_dot_steering__pb2.BuildSteeringRequest.SerializeToString,
                 response_deserializer=cde_dot_v1_dot_common__pb2.PreparedSteering.FromString,
                 _registered_method=True)
+        self.ListConcepts = channel.unary_unary(
+                '/cde.v1.Steering/ListConcepts',
+                request_serializer=cde_dot_v1_dot_steering__pb2.ListConceptsRequest.SerializeToString,
+                response_deserializer=cde_dot_v1_dot_steering__pb2.ListConceptsResponse.FromString,
+                _registered_method=True)
+        self.DescribeConcept = channel.unary_unary(
+                '/cde.v1.Steering/DescribeConcept',
+                request_serializer=cde_dot_v1_dot_steering__pb2.DescribeConceptRequest.SerializeToString,
+                response_deserializer=cde_dot_v1_dot_steering__pb2.ConceptDetail.FromString,
+                _registered_method=True)
 
 
 class SteeringServicer(object):
@@ -80,6 +90,22 @@ class SteeringServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListConcepts(self, request, context):
+        """The catalog in id order, one page at a time, optionally filtered. INVALID_ARGUMENT for a
+        limit or top_tokens over its bound (cde.limits) or an unknown head.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeConcept(self, request, context):
+        """One concept and the vocabulary tokens it promotes most: its unit embedding through the
+        LM head (the public package's concept_top_tokens). NOT_FOUND for an unknown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SteeringServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +123,16 @@ def add_SteeringServicer_to_server(servicer, server):
                     servicer.BuildSteering,
                     request_deserializer=cde_dot_v1_dot_steering__pb2.BuildSteeringRequest.FromString,
                     response_serializer=cde_dot_v1_dot_common__pb2.PreparedSteering.SerializeToString,
+            ),
+            'ListConcepts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListConcepts,
+                    request_deserializer=cde_dot_v1_dot_steering__pb2.ListConceptsRequest.FromString,
+                    response_serializer=cde_dot_v1_dot_steering__pb2.ListConceptsResponse.SerializeToString,
+            ),
+            'DescribeConcept': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeConcept,
+                    request_deserializer=cde_dot_v1_dot_steering__pb2.DescribeConceptRequest.FromString,
+                    response_serializer=cde_dot_v1_dot_steering__pb2.ConceptDetail.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +216,60 @@ class Steering(object):
             '/cde.v1.Steering/BuildSteering',
             cde_dot_v1_dot_steering__pb2.BuildSteeringRequest.SerializeToString,
             cde_dot_v1_dot_common__pb2.PreparedSteering.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListConcepts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cde.v1.Steering/ListConcepts',
+            cde_dot_v1_dot_steering__pb2.ListConceptsRequest.SerializeToString,
+            cde_dot_v1_dot_steering__pb2.ListConceptsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeConcept(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cde.v1.Steering/DescribeConcept',
+            cde_dot_v1_dot_steering__pb2.DescribeConceptRequest.SerializeToString,
+            cde_dot_v1_dot_steering__pb2.ConceptDetail.FromString,
             options,
             channel_credentials,
             insecure,
