@@ -179,16 +179,18 @@ def attribution_hit_rate(model, data, results: dict) -> dict:
                 continue
             order = rec.positions.argsort()
             tokens = rec.tokens[order].tolist()
-            tied = data.token_concepts(tokens)         # per token: known concept id or -1
+            tied = data.token_concepts(tokens)         # per token: the known concepts it is tied to
             attr = token_attribution(rec, known_e, disc_e, lm_rows)
             contrib = attr.known_contrib[order]
             idx = attr.known_idx[order]
             top5 = idx.gather(1, contrib.argsort(dim=1, descending=True)[:, :5])
-            for i, c in enumerate(tied):
-                if c >= 0:
+            for i, concepts in enumerate(tied):
+                listed = set(top5[i].tolist())
+                for c in concepts:                         # each (token, concept) pair counts once
                     total += 1
-                    hits += int(c in top5[i].tolist())
-    return {"tokens_tied_to_a_concept": total, "hit_rate": hits / total if total else None}
+                    hits += int(c in listed)
+    return {"token_concept_pairs": total, "hit_rate": hits / total if total else None,
+            "rule": "top 5 known concepts by contribution sigmoid(logit) * E . W_lm[y] in the committing forward"}
 
 
 # ---- judge ---------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def train(args: argparse.Namespace) -> Path:
         now = time.monotonic()
         if now - last_log >= args.log_every_s or step == 1:
             last_log = now
-            row = {"step": step, "elapsed_s": round(now - t0, 1), "lr": lr, "loss": float(out.total),
+            row = {"step": step, "elapsed_s": round(now - t0, 1), "lr": lr, "loss": float(out.total.detach()),
                    "grad_norm": grad_norm, "tokens": tokens_seen, **out.parts}
             history.append(row)
             log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
@@ -193,12 +193,15 @@ def evaluate_masked_loss(model, data, shape: Shape, weights: LossWeights, words,
     return total / batches
 
 
+SHARD_BYTES = 14 * 2**20   # each returned file of a GPU command is at most 16 MiB
+
+
 def write_bundle(model: SteerlingModel, data, out_dir: Path, log_record: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     bf16 = SteerlingModel(model.cfg)
     bf16.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
     bf16 = bf16.to(torch.bfloat16)
-    save_model(bf16, out_dir)
+    save_model(bf16, out_dir, max_shard_bytes=SHARD_BYTES)
     data.write_model_files(out_dir)        # tokenizer.json, concept_labels.parquet
     (out_dir / "training_log.json").write_text(json.dumps(log_record, indent=1) + "\n")
 
@@ -206,7 +209,8 @@ def write_bundle(model: SteerlingModel, data, out_dir: Path, log_record: dict) -
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="bundle directory to write")
-    ap.add_argument("--data", default=None, help="prepared data directory (default: build it now)")
+    ap.add_argument("--data", default=None, help="corpus directory: used when it holds shards, else built there "
+                    "(default: a temporary directory)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes and data: a CPU smoke test")
     ap.add_argument("--time-budget-s", type=float, default=540.0, help="wall clock for the whole command")
