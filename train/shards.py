@@ -190,33 +190,72 @@ def generate_story_shards(out_dir: Path, n_tokens: int, seed: int, workers: int,
 
 # ---------------------------------------------------------------------------- compressed prose
 
-
-PACKED_SUFFIX = ".shard.xz"
+# Only the token ids travel (xz); the labels are recomputed on unpacking: each document is
+# decoded and labeled again, and its re-encoding must give back the same ids (checked).
+PACKED_SUFFIX = ".tokens.xz"
 
 
 def pack_shard(shard_dir: Path, name: str, dst: Path) -> Path:
-    """One shard's four files as one xz-compressed .npz (committed prose travels like this)."""
-    buf = io.BytesIO()
     base = shard_dir / name
-    np.savez(buf, tokens=np.load(f"{base}.tokens.npy"), token_labels=np.load(f"{base}.token_labels.npy"),
-             chunk_labels=np.load(f"{base}.chunk_labels.npy"),
-             meta=np.frombuffer(Path(f"{base}.json").read_bytes(), np.uint8))
+    tokens = np.load(f"{base}.tokens.npy")
+    meta = Path(f"{base}.json").read_bytes()
+    header = len(meta).to_bytes(4, "little")
     out = dst / f"{name}{PACKED_SUFFIX}"
-    out.write_bytes(lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME))
+    out.write_bytes(lzma.compress(header + meta + tokens.astype("<u2").tobytes(), preset=9 | lzma.PRESET_EXTREME))
     return out
 
 
-def unpack_shards(src: Path, dst: Path) -> list[str]:
-    """Unpack every packed shard of `src` into `dst` (skipping those already there)."""
+def _unpack_one(args: tuple[str, str, str, str]) -> str:
+    packed, dst, tokenizer_file, lexicon_file = map(Path, args)
+    from train.concepts import Lexicon
+
+    raw = lzma.decompress(packed.read_bytes())
+    n_meta = int.from_bytes(raw[:4], "little")
+    meta = ShardMeta(**json.loads(raw[4:4 + n_meta]))
+    tokens = np.frombuffer(raw[4 + n_meta:], "<u2").astype(np.int64)
+    lab = Labeler(Lexicon.load(lexicon_file), tokenizer_file)
+    if meta.tokenizer_sha256 != sha256_file(tokenizer_file):
+        raise ValueError(f"{packed.name} was tokenized with another tokenizer.json")
+    eos, pad = SPECIAL_IDS["<|endoftext|>"], SPECIAL_IDS["<|pad|>"]
+    ends = np.flatnonzero(tokens == eos)
+    w = ShardWriter(dst, meta.name, dataclasses_replace(meta, n_docs=0, n_tokens=0,
+                                                         lexicon_sha256=sha256_file(lexicon_file)), lab)
+    start = 0
+    for e in ends:
+        doc = tokens[start:e]
+        text = lab.tok.decode(doc.tolist(), skip_special_tokens=False)
+        piece = lab.label_text(text)
+        if not np.array_equal(piece.ids, doc):
+            raise ValueError(f"{packed.name}: a document does not re-encode to its ids")
+        d = DocumentBuilder()
+        d.text(piece)
+        d.special(eos)
+        w.add(d.parts)
+        start = int(e) + 1
+    if not (tokens[start:] == pad).all():
+        raise ValueError(f"{packed.name}: tokens after the last document are not padding")
+    w.close()
+    return meta.name
+
+
+def dataclasses_replace(meta: ShardMeta, **kw: object) -> ShardMeta:
+    return ShardMeta(**dict(asdict(meta), **kw))
+
+
+def unpack_shards(src: Path, dst: Path, tokenizer_file: Path, lexicon_file: Path, workers: int = 8) -> list[str]:
+    """Unpack (and label) every packed shard of `src` into `dst`, skipping those already there."""
+    import multiprocessing as mp
+
     dst.mkdir(parents=True, exist_ok=True)
-    names = []
+    todo, names = [], []
     for packed in sorted(src.glob(f"*{PACKED_SUFFIX}")):
         name = packed.name[: -len(PACKED_SUFFIX)]
         names.append(name)
-        if (dst / f"{name}.json").exists():
-            continue
-        with np.load(io.BytesIO(lzma.decompress(packed.read_bytes())), allow_pickle=False) as z:
-            for key in ("tokens", "token_labels", "chunk_labels"):
-                np.save(dst / f"{name}.{key}.npy", z[key])
-            (dst / f"{name}.json").write_bytes(z["meta"].tobytes())
+        if not (dst / f"{name}.json").exists():
+            todo.append((str(packed), str(dst), str(tokenizer_file), str(lexicon_file)))
+    if todo:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        with mp.get_context("spawn").Pool(max(1, min(workers, len(todo)))) as pool:
+            for name in pool.imap_unordered(_unpack_one, todo):
+                print(f"[unpack] {name}", flush=True)
     return names

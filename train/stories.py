@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from train.story_concepts import ACTIONS, ANIMALS, BY_NAME, CHARACTERS, EMOTIONS, FOODS, MORALS, OBJECTS, SETTINGS, WEATHER
 
 NAMES = (
-    "Pip Milo Luna Tilly Oscar Rosie Finn Hazel Leo Poppy Max Ivy Sam Ruby Toby Daisy Jack Mia Ben Lily Theo Zoe "
+    "Pip Milo Luna Tilly Oscar Rosie Finn Hazel Leo Poppy Max Ivy Sam Ruby Toby Jack Mia Ben Lily Theo Zoe "
     "Noah Ella Alfie Nora Ollie Maya Jasper Clara Felix Iris Hugo Wren Arlo Sadie Otis Mabel Rory Elsie Ezra Freya "
     "Kit Juno Basil Willa Rufus Greta Ned Hattie Percy Lottie Reuben Tess Silas Edie Archie Bea Cosmo Pearl Dot "
-    "Ziggy Bram Lulu Fern Olive Moss Sunny Pepper Biscuit Nutmeg Bramble Clover Maple Willow Sky Ash Rowan Quill "
+    "Ziggy Bram Lulu Olive Pepper Biscuit Nutmeg Bramble Clover Maple Willow Sky Ash Rowan Quill "
     "Tansy Barnaby Winnie Ronan Esme Cleo Marigold Pippin Hamish Orla Dilly Nico Suki Kai Anya Omar Priya Tomas "
     "Amara Yusuf Leila Ravi Sofia Mateo Ines Kofi Nia Jun Mei Aiko Lars Ingrid Pablo Rosa Dmitri Vera Emeka Zara"
 ).split()
 ADJ_LOOK = "little,small,tiny,young,old,clever,gentle,quiet,busy,bright,careful,playful,sleepy,wise,silly,quick,clumsy,cheeky".split(",")
-ADJ_THING = "old,shiny,golden,silver,red,blue,green,tiny,huge,strange,dusty,broken,beautiful,magic,wooden,painted,heavy,soft".split(",")
+ADJ_THING = "old,shiny,golden,silver,red,blue,green,tiny,huge,strange,dusty,broken,beautiful,magic,wooden,striped,heavy,soft".split(",")
 TIMES = ("One morning", "One evening", "One afternoon", "Early one day", "Late one night", "At dawn", "One autumn day",
          "One spring morning", "One winter evening", "On a summer day", "The next day", "Just after breakfast",
          "Before lunch", "After supper")
@@ -87,13 +87,13 @@ ACTION_PHRASES: dict[str, tuple[str, ...]] = {
     "running": ("ran as fast as {p} could", "raced all the way back", "dashed off with a shout", "ran in circles"),
     "flying": ("flew high above everything", "soared over the treetops", "fluttered from side to side"),
     "digging": ("dug a deep hole", "dug and dug until {p} found something", "burrowed into the soft ground"),
-    "singing": ("sang a happy tune", "hummed a little song", "sang loudly to everyone", "sang a song about home"),
+    "singing": ("sang a merry tune", "hummed a little song", "sang loudly to everyone", "sang a song about home"),
     "dancing": ("danced until the sun went down", "twirled around and around", "danced a funny little dance"),
-    "building": ("built a small house", "built a tall tower out of sticks", "constructed a clever bridge"),
+    "building": ("built a small house", "built a tall pile of sticks", "constructed a clever bridge"),
     "cooking": ("cooked a warm meal", "baked something sweet", "stirred a big pot"),
     "reading": ("read a long story aloud", "read every page twice", "opened a storybook and read"),
     "painting": ("painted a picture of the sky", "painted bright colors everywhere", "picked up a paintbrush"),
-    "sailing": ("sailed across the water", "sailed away with the wind at {p2} back", "took the oars and sailed on"),
+    "sailing": ("sailed across the water", "sailed away across the water", "took the oars and sailed on"),
     "exploring": ("explored every corner", "wandered far from home", "roamed around to see what was there"),
     "hiding": ("hid behind a big rock", "hid and waited quietly", "peeked out from a hiding place"),
     "jumping": ("jumped over a log", "hopped from stone to stone", "leapt into the air"),
@@ -112,10 +112,10 @@ MORAL_FORMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]
     "teamwork": ((), ("teamwork",), ("cooperate",)), "curiosity": (("curious",), ("curiosity",), ()),
     "humility": (("humble",), ("humility",), ()), "generosity": (("generous",), ("generosity",), ()),
 }
-MORAL_ADJ_LINES = ("it is good to be {x}", "being {x} is worth more than gold", "a {x} heart is a happy heart",
+MORAL_ADJ_LINES = ("it is good to be {x}", "being {x} is worth more than gold", "a {x} heart is a light heart",
                    "it is always better to be {x}", "the world needs more {x} hearts")
 MORAL_NOUN_LINES = ("{x} is worth more than gold", "a little {x} goes a long way", "{x} makes every day brighter",
-                    "{x} is the best gift of all", "{x} always comes back to you", "there is no treasure like {x}")
+                    "{x} is the best gift of all", "{x} always comes back to you", "there is nothing better than {x}")
 MORAL_VERB_LINES = ("it is good to {x}", "we should always {x} when we can", "those who {x} are never poor")
 
 # Forms of the emotion concepts: adjectives after "felt", nouns after "full of".
@@ -145,7 +145,7 @@ WEATHER_LINES: dict[str, tuple[str, ...]] = {
     "fog": ("a thick fog covered everything", "mist hung in the air", "it was a foggy day", "the fog was grey and cold"),
     "rainbow": ("a rainbow stretched across the sky", "a rainbow appeared after the shower",
                 "there was a rainbow over the hills"),
-    "cloud": ("big clouds drifted by", "the sky was cloudy and grey", "a dark cloud hid the sky"),
+    "cloud": ("big clouds drifted by", "the sky was cloudy and grey", "a dark cloud covered the sky"),
 }
 MASS_FOODS = frozenset(("bread", "honey", "soup", "cheese", "cake", "pie"))
 
@@ -228,6 +228,7 @@ def generate_story(seed: int, index: int) -> Story:
     call = fname or f"the {friend}"
     s.say(rng.choice(CONNECT) + f", {who} came by.")
     if rng.random() < 0.75:
+        s.concepts.add("dialogue")
         hello = rng.choice(DIALOGUE_HELLO)
         s.say(f'"{hello}," {rng.choice(ASK_VERBS)} {call}. "What is that {obj}?"')
         s.say(rng.choice((
@@ -249,7 +250,7 @@ def generate_story(seed: int, index: int) -> Story:
         food = s.word(rng.choice(FOODS).name)
         some = food if food in MASS_FOODS else pluralize(food)
         s.say(rng.choice((f"they stopped to eat some {some}.", f"{call} had brought some {some} for the way.",
-                          f"by the {s.word(setting)}, they shared some {some}.",
+                          f"by the {s.word(setting)}, they ate some {some}.",
                           f"{name} was hungry, so they had some {some}.")))
     # a second episode, sometimes
     if rng.random() < 0.6:
@@ -292,6 +293,7 @@ def _episode(s: Story, setting: str, name: str, he: str, his: str, call: str) ->
         s.say(rng.choice(CONNECT) + f", they met {article(rng.choice(ADJ_LOOK))} {other} " +
               rng.choice(("who needed help", "who was lost", "who had a question", "who wanted to come along")) + ".")
         if rng.random() < 0.6:
+            s.concepts.add("dialogue")
             s.say(f'"Can you help me find the way to the {s.word(setting)}?" {rng.choice(ASK_VERBS)} the {other}.')
             s.say(f'"Of course," {rng.choice(SAY_VERBS)} {name}.')
     else:
