@@ -1,0 +1,217 @@
+"""Training text for idlm-small: one function, ``load_corpus``, behind which the source can change.
+
+Sources:
+
+* ``"train"``: the project's training-data package (``train.build_data`` / its loader: a
+  byte-level BPE ``tokenizer.json`` with ChatML specials and a mask, uint16 shards), used
+  when it is importable and has produced data (see ``_from_train_package``);
+* ``"standin"``: a small self-contained stand-in: a seeded story grammar of our own
+  (characters, settings, animals, weather, objects, feelings, dialogue, a moral) plus
+  chat-form "Tell me a story about X." pairs, and a byte-level BPE trained on it with
+  ``tokenizers``. It runs anywhere in seconds (tiny) to tens of seconds (GPU run, 16 cores);
+* ``"auto"``: "train" if available, else "standin".
+
+Every source gives the same thing: a :class:`Corpus` (tokenizer.json path, special ids, a
+uint16 token stream for training with documents separated by ``<|endoftext|>``, a disjoint
+held-out stream and held-out prompts for decoding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ENDOFTEXT, IM_START, IM_END, MASK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"
+SPECIALS = (ENDOFTEXT, IM_START, IM_END, MASK)
+
+
+@dataclass
+class Corpus:
+    tokenizer_file: Path
+    special_ids: dict[str, int]          # ENDOFTEXT, IM_START, IM_END, MASK -> id
+    vocab_size: int
+    train: np.ndarray                    # uint16 token stream
+    heldout: np.ndarray                  # uint16, documents never in `train`
+    prompts: list[list[int]]             # held-out decoding prompts (story openings and chat prompts)
+    prompt_texts: list[str] = field(default_factory=list)
+    source: str = "standin"
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.special_ids[IM_END], self.special_ids[ENDOFTEXT])
+
+
+# ---- the stand-in story grammar --------------------------------------------------------------
+NAMES = ("Mia", "Tom", "Lily", "Ben", "Sara", "Max", "Anna", "Leo", "Zoe", "Sam", "Ella", "Jack", "Nora",
+         "Finn", "Ruby", "Omar", "Ivy", "Hugo", "Maya", "Theo", "Lucy", "Noah", "Ada", "Eli")
+ANIMALS = ("cat", "dog", "fox", "owl", "rabbit", "bear", "frog", "duck", "horse", "mouse", "turtle", "bird",
+           "fish", "goat", "lion", "whale", "crab", "deer", "wolf", "bee")
+SETTINGS = {
+    "sea": ("the beach", "a small boat", "the harbor", "a rocky shore"),
+    "forest": ("the tall trees", "a quiet path", "a mossy log", "the old oak"),
+    "city": ("a busy street", "the park", "a tall tower", "the market"),
+    "space": ("a silver rocket", "the moon", "a far star", "the space station"),
+    "farm": ("the red barn", "a green field", "the hen house", "the pond"),
+    "mountain": ("a snowy peak", "a cold cave", "the high trail", "a wooden hut"),
+    "school": ("the classroom", "the library", "the playground", "the music room"),
+}
+WEATHER = ("the sun was warm", "it was raining", "the wind was strong", "snow was falling", "the sky was grey",
+           "a storm was coming", "the air was cool", "the stars were bright")
+OBJECTS = ("a red ball", "a shiny key", "an old map", "a blue kite", "a little box", "a golden shell",
+           "a paper boat", "a warm blanket", "a lost hat", "a big drum", "a magic stone", "a green book")
+FEELINGS = ("happy", "sad", "scared", "brave", "curious", "tired", "proud", "angry", "excited", "calm", "lonely",
+            "surprised")
+ACTIONS = ("ran to", "walked to", "looked at", "jumped over", "climbed up", "sat near", "danced around",
+           "hid behind", "waved at", "sang to")
+PROBLEMS = ("could not find the way home", "lost {obj}", "was stuck in the mud", "wanted to fly",
+            "had no friends", "was afraid of the dark", "broke {obj}", "forgot a promise")
+HELPS = ("shared {obj}", "showed the way", "gave a kind hug", "told a funny story", "found {obj}",
+         "held out a paw", "sang a soft song", "built a small bridge")
+MORALS = ("Friends help each other.", "It is good to be kind.", "Being brave is not being unafraid.",
+          "Sharing makes everyone happy.", "Always tell the truth.", "Small things can matter a lot.",
+          "It is okay to ask for help.", "Patience brings good things.")
+SAYS = ("said", "asked", "shouted", "whispered", "laughed")
+
+
+def story(rng: random.Random) -> tuple[str, str]:
+    """One story and its setting name."""
+    name, friend = rng.sample(NAMES, 2)
+    animal = rng.choice(ANIMALS)
+    setting = rng.choice(list(SETTINGS))
+    place, place2 = rng.sample(SETTINGS[setting], 2)
+    obj, obj2 = rng.sample(OBJECTS, 2)
+    f1, f2 = rng.sample(FEELINGS, 2)
+    out = [rng.choice((f"Once upon a time, there was a {f1} {animal} named {name}.",
+                       f"One day, a little {animal} called {name} felt {f1}.",
+                       f"There once lived a {animal} named {name} near {place}."))]
+    out.append(f"{rng.choice(WEATHER).capitalize()} at {place}.")
+    for _ in range(rng.randint(1, 3)):
+        out.append(f"{name} {rng.choice(ACTIONS)} {rng.choice(SETTINGS[setting])} and saw {rng.choice(OBJECTS)}.")
+    out.append(f"But {name} {rng.choice(PROBLEMS).format(obj=obj)}.")
+    out.append(f"\"I feel {f1},\" {name} {rng.choice(SAYS)}.")
+    out.append(f"Then {friend} the {rng.choice(ANIMALS)} came to {place2}.")
+    out.append(f"\"Do not worry, {name},\" {friend} {rng.choice(SAYS)}. \"I will help you.\"")
+    out.append(f"{friend} {rng.choice(HELPS).format(obj=obj2)}.")
+    out.append(f"Now {name} felt {f2}, and the two friends {rng.choice(ACTIONS)} {rng.choice(SETTINGS[setting])} "
+               f"together.")
+    if rng.random() < 0.7:
+        out.append(rng.choice(MORALS))
+    return " ".join(out), setting
+
+
+def chat(text: str, setting: str, rng: random.Random) -> str:
+    ask = rng.choice(("Tell me a story about the {s}.", "Write a short story set in the {s}.",
+                      "Can you tell me a story about the {s}?", "Tell me about the {s}."))
+    return (f"{IM_START}user\n{ask.format(s=setting)}{IM_END}\n{IM_START}assistant\n{text}{IM_END}\n")
+
+
+def documents(seed: int, count: int) -> list[str]:
+    """`count` documents from seed `seed`: stories, one in four as a chat pair."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(count):
+        text, setting = story(rng)
+        docs.append(chat(text, setting, rng) if rng.random() < 0.25 else text)
+    return docs
+
+
+def _docs_job(args: tuple[int, int]) -> list[str]:
+    return documents(*args)
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int, path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+
+
+def _encode(tokenizer_file: Path, docs: list[str], eot: int) -> np.ndarray:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    ids: list[int] = []
+    for enc in tok.encode_batch(docs, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    return np.asarray(ids, dtype=np.uint16)
+
+
+def standin_corpus(work_dir: str | Path, train_docs: int, vocab_size: int, seed: int = 1, heldout_docs: int = 400,
+                   n_prompts: int = 64, workers: int | None = None) -> Corpus:
+    """Generate the stand-in corpus under work_dir (tokenizer.json) and tokenize it."""
+    work_dir = Path(work_dir)
+    workers = workers or max(1, min(16, os.cpu_count() or 1))
+    per = max(1, -(-train_docs // workers))
+    jobs = [(seed * 1_000_003 + i, min(per, train_docs - i * per)) for i in range(workers) if train_docs > i * per]
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(workers) as ex:
+            train_text = [d for part in ex.map(_docs_job, jobs) for d in part]
+    else:
+        train_text = [d for j in jobs for d in _docs_job(j)]
+    held_text = documents(seed * 1_000_003 - 7, heldout_docs)   # a seed no training job uses
+    tok_file = work_dir / "tokenizer.json"
+    _train_tokenizer(train_text[:20_000], vocab_size, tok_file)
+    data = json.loads(tok_file.read_text())
+    special = {t["content"]: int(t["id"]) for t in data["added_tokens"]}
+    eot = special[ENDOFTEXT]
+    train = _encode(tok_file, train_text, eot)
+    heldout = _encode(tok_file, held_text, eot)
+    prompts, prompt_texts = _prompts(tok_file, seed, n_prompts)
+    from tokenizers import Tokenizer
+    vocab = Tokenizer.from_file(str(tok_file)).get_vocab_size(with_added_tokens=True)
+    return Corpus(tok_file, special, vocab, train, heldout, prompts, prompt_texts, "standin")
+
+
+def _prompts(tok_file: Path, seed: int, n: int) -> tuple[list[list[int]], list[str]]:
+    """Held-out prompts: story openings (first sentence) and chat requests, alternating."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_file))
+    rng = random.Random(seed * 7 + 3)
+    texts = []
+    for i in range(n):
+        text, setting = story(rng)
+        if i % 2:
+            texts.append(f"{IM_START}user\nTell me a story about the {setting}.{IM_END}\n{IM_START}assistant\n")
+        else:
+            texts.append(text.split(". ")[0] + ".")
+    return [tok.encode(t, add_special_tokens=False).ids for t in texts], texts
+
+
+# ---- the project's training-data package ---------------------------------------------------
+def _from_train_package(work_dir: Path, tiny: bool) -> Corpus | None:
+    """The data helper's loader (issue 14), when it exists. None when it is not importable."""
+    try:
+        from train import data_loader  # type: ignore[attr-defined]  # noqa: F401
+    except ImportError:
+        return None
+    return None   # wired up once its API is final (see the report); stand-in until then
+
+
+def load_corpus(source: str, work_dir: str | Path, *, tiny: bool = False, seed: int = 1) -> Corpus:
+    work_dir = Path(work_dir)
+    if source not in ("auto", "train", "standin"):
+        raise ValueError(f"data source must be auto, train or standin, got {source!r}")
+    if source in ("auto", "train"):
+        corpus = _from_train_package(work_dir, tiny)
+        if corpus is not None:
+            return corpus
+        if source == "train":
+            raise RuntimeError("the train data package is not available in this tree")
+    if tiny:
+        return standin_corpus(work_dir, train_docs=3000, vocab_size=512, seed=seed, heldout_docs=60, n_prompts=8,
+                              workers=1)
+    return standin_corpus(work_dir, train_docs=400_000, vocab_size=4096, seed=seed)
