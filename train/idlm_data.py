@@ -5,9 +5,10 @@ Sources:
 * ``"train"``: the project's training-data package (``train.build_data`` / its loader: a
   byte-level BPE ``tokenizer.json`` with ChatML specials and a mask, uint16 shards), used
   when it is importable and has produced data (see ``_from_train_package``);
-* ``"standin"``: a small self-contained stand-in: a seeded story grammar of our own
-  (characters, settings, animals, weather, objects, feelings, dialogue, a moral) plus
-  chat-form "Tell me a story about X." pairs, and a byte-level BPE trained on it with
+* ``"standin"``: a self-contained stand-in: seeded stories (the data helper's grammar,
+  ``train/stories.py``, when the tree has it, else a small grammar of our own: characters,
+  settings, animals, weather, objects, feelings, dialogue, a moral) plus chat-form pairs
+  ("Tell me a story about X." -> a story), and a byte-level BPE trained on them with
   ``tokenizers``. It runs anywhere in seconds (tiny) to tens of seconds (GPU run, 16 cores);
 * ``"auto"``: "train" if available, else "standin".
 
@@ -105,23 +106,54 @@ def story(rng: random.Random) -> tuple[str, str]:
     return " ".join(out), setting
 
 
-def chat(text: str, setting: str, rng: random.Random) -> str:
+def chat(ask: str, text: str) -> str:
+    return f"{IM_START}user\n{ask}{IM_END}\n{IM_START}assistant\n{text}{IM_END}\n"
+
+
+def chat_prompt(ask: str) -> str:
+    return f"{IM_START}user\n{ask}{IM_END}\n{IM_START}assistant\n"
+
+
+def _story_generator():
+    """The data helper's story grammar (train/stories.py, issue 14) when this tree has it."""
+    try:
+        from train.stories import generate_story
+    except ImportError:
+        return None
+    return generate_story
+
+
+def story_at(seed: int, index: int) -> tuple[str, str]:
+    """Story ``index`` of ``seed`` and an instruction it answers: the data helper's grammar when
+    present (richer), else the small grammar above. Depends only on (seed, index)."""
+    gen = _story_generator()
+    if gen is not None:
+        st = gen(seed, index)
+        return st.text, (getattr(st, "prompt", "") or "Tell me a story.")
+    rng = random.Random(seed * 1_000_003 + index)
+    text, setting = story(rng)
     ask = rng.choice(("Tell me a story about the {s}.", "Write a short story set in the {s}.",
                       "Can you tell me a story about the {s}?", "Tell me about the {s}."))
-    return (f"{IM_START}user\n{ask.format(s=setting)}{IM_END}\n{IM_START}assistant\n{text}{IM_END}\n")
+    return text, ask.format(s=setting)
 
 
-def documents(seed: int, count: int) -> list[str]:
-    """`count` documents from seed `seed`: stories, one in four as a chat pair."""
-    rng = random.Random(seed)
+def story_source() -> str:
+    return "train.stories" if _story_generator() is not None else "standin grammar"
+
+
+HELDOUT_START = 1 << 40   # held-out documents' indices: never reached by training indices
+
+
+def documents(seed: int, start: int, count: int) -> list[str]:
+    """Documents ``start .. start + count - 1``: stories, one in four as a chat pair."""
     docs = []
-    for _ in range(count):
-        text, setting = story(rng)
-        docs.append(chat(text, setting, rng) if rng.random() < 0.25 else text)
+    for i in range(start, start + count):
+        text, ask = story_at(seed, i)
+        docs.append(chat(ask, text) if i % 4 == 0 else text)
     return docs
 
 
-def _docs_job(args: tuple[int, int]) -> list[str]:
+def _docs_job(args: tuple[int, int, int]) -> list[str]:
     return documents(*args)
 
 
@@ -155,13 +187,13 @@ def standin_corpus(work_dir: str | Path, train_docs: int, vocab_size: int, seed:
     work_dir = Path(work_dir)
     workers = workers or max(1, min(16, os.cpu_count() or 1))
     per = max(1, -(-train_docs // workers))
-    jobs = [(seed * 1_000_003 + i, min(per, train_docs - i * per)) for i in range(workers) if train_docs > i * per]
+    jobs = [(seed, i * per, min(per, train_docs - i * per)) for i in range(workers) if train_docs > i * per]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(workers) as ex:
             train_text = [d for part in ex.map(_docs_job, jobs) for d in part]
     else:
         train_text = [d for j in jobs for d in _docs_job(j)]
-    held_text = documents(seed * 1_000_003 - 7, heldout_docs)   # a seed no training job uses
+    held_text = documents(seed, HELDOUT_START, heldout_docs)
     tok_file = work_dir / "tokenizer.json"
     _train_tokenizer(train_text[:20_000], vocab_size, tok_file)
     data = json.loads(tok_file.read_text())
@@ -172,22 +204,19 @@ def standin_corpus(work_dir: str | Path, train_docs: int, vocab_size: int, seed:
     prompts, prompt_texts = _prompts(tok_file, seed, n_prompts)
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(str(tok_file)).get_vocab_size(with_added_tokens=True)
-    return Corpus(tok_file, special, vocab, train, heldout, prompts, prompt_texts, "standin")
+    return Corpus(tok_file, special, vocab, train, heldout, prompts, prompt_texts, f"standin ({story_source()})")
 
 
 def _prompts(tok_file: Path, seed: int, n: int) -> tuple[list[list[int]], list[str]]:
-    """Held-out prompts: story openings (first sentence) and chat requests, alternating."""
+    """Held-out prompts (stories past the held-out text's): story openings (first sentence) and
+    chat requests, alternating."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tok_file))
-    rng = random.Random(seed * 7 + 3)
     texts = []
     for i in range(n):
-        text, setting = story(rng)
-        if i % 2:
-            texts.append(f"{IM_START}user\nTell me a story about the {setting}.{IM_END}\n{IM_START}assistant\n")
-        else:
-            texts.append(text.split(". ")[0] + ".")
+        text, ask = story_at(seed, HELDOUT_START + (1 << 30) + i)
+        texts.append(chat_prompt(ask) if i % 2 else text.split(". ")[0] + ".")
     return [tok.encode(t, add_special_tokens=False).ids for t in texts], texts
 
 
