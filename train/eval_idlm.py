@@ -185,17 +185,22 @@ def greedy_equality(model: Qwen3Model, prompts: list[list[int]], max_new: int, s
 # ---- 5: R-ISD distribution test ---------------------------------------------------------------
 def exact_ar_distribution(model: Qwen3Model, prompt: list[int], new_tokens: int, temperature: float,
                           top_k: int) -> dict[tuple[int, ...], float]:
-    """P(first new_tokens tokens) under base AR sampling (gate 0), enumerated in float64."""
+    """P(first new_tokens tokens) under base AR sampling (gate 0), enumerated in float64. A
+    sequence ends at an EOS id (kept), as the decoders cut it."""
     dev = model.lm_head.weight.device
+    eos = set(model.cfg.eos_token_ids)
     joint: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(new_tokens):
-        seqs = list(joint)
+        done = {s: pr for s, pr in joint.items() if s and s[-1] in eos}
+        seqs = [s for s in joint if s not in done]
+        if not seqs:
+            break
         batch = torch.tensor([prompt + list(s) for s in seqs], device=dev)
         with torch.no_grad():
             logits = model(batch, lora_gate=torch.zeros(batch.shape, device=dev))[:, -1].double().cpu()
         keep = keep_mask(logits, temperature, top_k, 1.0)
         probs = torch.softmax((logits / temperature).masked_fill(~keep, float("-inf")), -1)
-        nxt = {}
+        nxt = dict(done)
         for s, row in zip(seqs, probs):
             for t in torch.nonzero(row > 0).flatten().tolist():
                 nxt[s + (t,)] = joint[s] * float(row[t])
@@ -234,8 +239,7 @@ def risd_distribution_test(risd: Qwen3Model, prompt: list[int], runs: int, seed:
         for g in gens:
             key = tuple(g.tokens[:new_tokens])
             counts[key] = counts.get(key, 0) + 1
-        full = [g for g in gens if len(g.tokens) >= new_tokens]
-        stat, df, p, tv = chi_square(counts, exact, runs) if len(full) == runs else (float("nan"), 0, 0.0, 1.0)
+        stat, df, p, tv = chi_square(counts, exact, runs)
         prop = sum(g.stats.proposed for g in gens)
         out[label] = {"chi2": stat, "df": df, "p_value": p, "total_variation": tv,
                       "acceptance": sum(g.stats.accepted for g in gens) / prop if prop else 0.0}

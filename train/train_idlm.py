@@ -35,6 +35,7 @@ import json
 import math
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -231,25 +232,31 @@ def truncated(adapter_modules: dict, rank: int) -> dict:
     return out
 
 
-def write_bundle(out: Path, base: Qwen3Model, corpus: Corpus, conv: TrainableLora, risd: TrainableLora,
-                 training: dict) -> list[Path]:
-    """The bundle directory (replaced if present): at most 8 files, bf16 weights."""
+def write_base(out: Path, base: Qwen3Model, corpus: Corpus, training: dict) -> list[Path]:
+    """The directory (replaced if present) with the AR base alone: config.json, bf16
+    model.safetensors, tokenizer.json, training.json. Written right after phase 1 too, so a
+    failure later still returns a base that ``--base-from`` resumes from."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    detach_lora(base)
     bf16 = Qwen3Model(base.cfg)
     bf16.load_state_dict({k: v.detach().cpu() for k, v in base.state_dict().items()})
     files = [out / "config.json", *save_qwen3(bf16.to(torch.bfloat16), out)]
+    shutil.copyfile(corpus.tokenizer_file, out / "tokenizer.json")
+    (out / "training.json").write_text(json.dumps(training, indent=2) + "\n")
+    return files + [out / "tokenizer.json", out / "training.json"]
+
+
+def write_bundle(out: Path, base: Qwen3Model, corpus: Corpus, conv: TrainableLora, risd: TrainableLora,
+                 training: dict) -> list[Path]:
+    """The bundle directory (replaced if present): at most 8 files, bf16 weights."""
+    detach_lora(base)
+    files = write_base(out, base, corpus, training)
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["cde_merge_adapters"] = [CONVERSION_DIR]
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-    shutil.copyfile(corpus.tokenizer_file, out / "tokenizer.json")
-    files += [out / "tokenizer.json", *conv.save(out / CONVERSION_DIR), *risd.save(out / RISD_DIR)]
-    (out / "training.json").write_text(json.dumps(training, indent=2) + "\n")
-    files.append(out / "training.json")
-    return files
+    return files + [*conv.save(out / CONVERSION_DIR), *risd.save(out / RISD_DIR)]
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -261,7 +268,8 @@ def train(args: argparse.Namespace) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     out = Path(args.out)
-    work = Path(args.work_dir) if args.work_dir else out.parent / (out.name + ".work")
+    # scratch (the corpus tokenizer) outside --out: $OUT returns at most 8 files, the bundle's
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="idlm-data-"))
     work.mkdir(parents=True, exist_ok=True)
 
     corpus = load_corpus(args.data, work, tiny=args.tiny, seed=args.seed)
@@ -318,6 +326,10 @@ def train(args: argparse.Namespace) -> dict:
     base_eval = heldout_losses(model, corpus.heldout, recipe, device, stride=recipe.max_stride, lora_gated=False,
                                n_windows=n_win)
     log(f"[eval] base: held-out AR loss {base_eval['ar_loss']:.4f}; untrained masks {base_eval['mask_loss']:.4f}")
+    if not args.base_from:   # checkpoint: the base alone, replaced by the full bundle at the end
+        write_base(out, model, corpus, {"partial": "AR base only (conversion and R-ISD not finished)",
+                                        "phases": [asdict(p) for p in phases], "heldout": {"base": base_eval}})
+        log(f"[checkpoint] AR base written to {out} (resume with --base-from)")
 
     # 2. conversion: ungated LoRA, L_mask + s * L_clean, stride curriculum
     conv = TrainableLora(model, recipe.conv_rank, 2.0 * recipe.conv_rank, PROJECTIONS, seed=args.seed + 1)
@@ -390,7 +402,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data", default="auto", choices=("auto", "train", "standin"))
     ap.add_argument("--shares", default="0.55,0.30,0.15", help="time shares: base, conversion, R-ISD adapter")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--work-dir", default="", help="corpus/tokenizer scratch (default: next to --out)")
+    ap.add_argument("--work-dir", default="", help="corpus/tokenizer scratch (default: a temporary directory)")
     ap.add_argument("--base-from", default="", help="reuse a bundle's AR base (skip phase 1; resume)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the AR base phase's step")
     ap.add_argument("--max-steps", type=int, default=None, help="cap each phase's steps (tests)")
