@@ -158,6 +158,15 @@ def _docs_job(args: tuple[int, int, int]) -> list[str]:
 
 
 def _train_tokenizer(texts: list[str], vocab_size: int, path: Path) -> None:
+    """The data helper's tokenizer trainer (train/tokenizer_build.py: the bundled models' specials
+    and ids) when the tree has it, else a byte-level BPE with the four causal-family specials."""
+    try:
+        from train.tokenizer_build import train_tokenizer
+    except ImportError:
+        train_tokenizer = None
+    if train_tokenizer is not None:
+        train_tokenizer(texts, path, vocab_size)
+        return
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -230,7 +239,9 @@ def _from_train_package(work_dir: Path, tiny: bool) -> Corpus | None:
     return None   # wired up once its API is final (see the report); stand-in until then
 
 
-def load_corpus(source: str, work_dir: str | Path, *, tiny: bool = False, seed: int = 1) -> Corpus:
+def load_corpus(source: str, work_dir: str | Path, *, tiny: bool = False, seed: int = 1,
+                docs: int | None = None) -> Corpus:
+    """The corpus of a run; ``docs`` overrides the stand-in's number of training documents."""
     work_dir = Path(work_dir)
     if source not in ("auto", "train", "standin"):
         raise ValueError(f"data source must be auto, train or standin, got {source!r}")
@@ -241,6 +252,6 @@ def load_corpus(source: str, work_dir: str | Path, *, tiny: bool = False, seed: 
         if source == "train":
             raise RuntimeError("the train data package is not available in this tree")
     if tiny:
-        return standin_corpus(work_dir, train_docs=3000, vocab_size=512, seed=seed, heldout_docs=60, n_prompts=8,
-                              workers=1)
-    return standin_corpus(work_dir, train_docs=400_000, vocab_size=4096, seed=seed)
+        return standin_corpus(work_dir, train_docs=docs or 3000, vocab_size=512, seed=seed, heldout_docs=60,
+                              n_prompts=8, workers=1)
+    return standin_corpus(work_dir, train_docs=docs or 400_000, vocab_size=4096, seed=seed)

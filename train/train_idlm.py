@@ -272,7 +272,7 @@ def train(args: argparse.Namespace) -> dict:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="idlm-data-"))
     work.mkdir(parents=True, exist_ok=True)
 
-    corpus = load_corpus(args.data, work, tiny=args.tiny, seed=args.seed)
+    corpus = load_corpus(args.data, work, tiny=args.tiny, seed=args.seed, docs=args.corpus_docs)
     t_data = time.monotonic() - t_start
     log(f"[data] {corpus.source}: {len(corpus.train) / 1e6:.1f}M train tokens, {len(corpus.heldout) / 1e3:.0f}K "
         f"held out, vocab {corpus.vocab_size}, {len(corpus.prompts)} prompts, {t_data:.1f} s")
@@ -404,6 +404,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work-dir", default="", help="corpus/tokenizer scratch (default: a temporary directory)")
     ap.add_argument("--base-from", default="", help="reuse a bundle's AR base (skip phase 1; resume)")
+    ap.add_argument("--corpus-docs", type=int, default=None, help="stand-in training documents (default 400K; "
+                    "tiny 3K)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the AR base phase's step")
     ap.add_argument("--max-steps", type=int, default=None, help="cap each phase's steps (tests)")
     return ap.parse_args(argv)
