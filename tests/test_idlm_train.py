@@ -29,7 +29,8 @@ from cde.qwen3.config import Qwen3Config  # noqa: E402
 from cde.qwen3.loading import load_lora, load_qwen3, save_qwen3  # noqa: E402
 from cde.qwen3.model import Qwen3Model  # noqa: E402
 from train.idlm_lora import TrainableLora  # noqa: E402
-from train.idlm_objective import attention_mask, consistency_batch, consistency_loss  # noqa: E402
+from train.idlm_objective import (attention_mask, causal_lm_loss, consistency_batch, consistency_loss,  # noqa: E402
+                                  training_attend)
 
 ROOT = Path(__file__).resolve().parents[1]
 V = 97
@@ -82,9 +83,8 @@ def test_training_layout_equals_inference_windows(block, gated):
     n = 11
     x0 = torch.randint(0, MASK, (2, n), generator=torch.Generator().manual_seed(seed))
     batch = consistency_batch(x0, block, MASK)
-    with torch.no_grad():
-        from cde.qwen3.model import masked_attend
-        h = model.hidden_states(batch.tokens, batch.positions, masked_attend(batch.mask),
+    with torch.no_grad():   # the attention the training runs (GQA: 4 query / 2 KV heads)
+        h = model.hidden_states(batch.tokens, batch.positions, training_attend(batch.mask),
                                 batch.gate if gated else None)
         logits = model.logits(h)
         for i in range(n):
@@ -102,6 +102,17 @@ def test_training_layout_equals_inference_windows(block, gated):
     assert torch.isfinite(losses.total) and float(losses.mask) > 0, f"seed={seed}"
     if not gated:   # auto-balance: total = L_mask + (L_mask / L_clean) L_clean = 2 L_mask
         assert abs(float(losses.total) - 2 * float(losses.mask)) < 1e-9, f"seed={seed}"
+
+
+def test_causal_lm_loss_is_next_token_cross_entropy():
+    seed = fresh_seed()
+    model = tiny_model(seed)
+    tokens = torch.randint(0, V, (3, 12), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])   # the reference forward (enable_gqa SDPA)
+        want = torch.nn.functional.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1))
+        got = causal_lm_loss(model, tokens)
+    assert abs(float(got - want)) < 1e-10, f"seed={seed}: {float(got)} vs {float(want)}"
 
 
 def test_lora_gradients_reach_only_the_adapter():

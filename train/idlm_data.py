@@ -180,36 +180,53 @@ def _train_tokenizer(texts: list[str], vocab_size: int, path: Path) -> None:
 
 
 def _encode(tokenizer_file: Path, docs: list[str], eot: int) -> np.ndarray:
+    """Documents -> one uint16 stream, each document followed by ``eot``."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_file))
-    ids: list[int] = []
+    parts = []
     for enc in tok.encode_batch(docs, add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(eot)
-    return np.asarray(ids, dtype=np.uint16)
+        parts.append(np.asarray(enc.ids, dtype=np.uint16))
+        parts.append(np.asarray([eot], dtype=np.uint16))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+
+def _encoded_docs_job(args: tuple[str, int, int, int, int]) -> np.ndarray:
+    """Generate and tokenize documents in a worker (no text travels between processes)."""
+    tok_file, eot, seed, start, count = args
+    return _encode(Path(tok_file), documents(seed, start, count), eot)
+
+
+def _pool_map(fn, jobs: list, workers: int) -> list:
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(workers) as ex:
+            return list(ex.map(fn, jobs))
+    return [fn(j) for j in jobs]
+
+
+def _ranges(start: int, count: int, parts: int) -> list[tuple[int, int]]:
+    per = max(1, -(-count // parts))
+    return [(start + i, min(per, count - i)) for i in range(0, count, per)]
 
 
 def standin_corpus(work_dir: str | Path, train_docs: int, vocab_size: int, seed: int = 1, heldout_docs: int = 400,
-                   n_prompts: int = 64, workers: int | None = None) -> Corpus:
-    """Generate the stand-in corpus under work_dir (tokenizer.json) and tokenize it."""
+                   n_prompts: int = 64, workers: int | None = None, tokenizer_docs: int = 20_000) -> Corpus:
+    """Generate the stand-in corpus: a tokenizer (work_dir/tokenizer.json) trained on the first
+    ``tokenizer_docs`` training documents, then every document generated and tokenized in
+    ``workers`` processes."""
     work_dir = Path(work_dir)
     workers = workers or max(1, min(16, os.cpu_count() or 1))
-    per = max(1, -(-train_docs // workers))
-    jobs = [(seed, i * per, min(per, train_docs - i * per)) for i in range(workers) if train_docs > i * per]
-    if workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(workers) as ex:
-            train_text = [d for part in ex.map(_docs_job, jobs) for d in part]
-    else:
-        train_text = [d for j in jobs for d in _docs_job(j)]
-    held_text = documents(seed, HELDOUT_START, heldout_docs)
+    n_tok = min(tokenizer_docs, train_docs)
+    sample = [d for part in _pool_map(_docs_job, [(seed, a, c) for a, c in _ranges(0, n_tok, workers)], workers)
+              for d in part]
     tok_file = work_dir / "tokenizer.json"
-    _train_tokenizer(train_text[:20_000], vocab_size, tok_file)
+    _train_tokenizer(sample, vocab_size, tok_file)
     data = json.loads(tok_file.read_text())
     special = {t["content"]: int(t["id"]) for t in data["added_tokens"]}
     eot = special[ENDOFTEXT]
-    train = _encode(tok_file, train_text, eot)
-    heldout = _encode(tok_file, held_text, eot)
+    jobs = [(str(tok_file), eot, seed, a, c) for a, c in _ranges(0, train_docs, workers * 4)]
+    train = np.concatenate(_pool_map(_encoded_docs_job, jobs, workers))
+    heldout = _encode(tok_file, documents(seed, HELDOUT_START, heldout_docs), eot)
     prompts, prompt_texts = _prompts(tok_file, seed, n_prompts)
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(str(tok_file)).get_vocab_size(with_added_tokens=True)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cde.qwen3.model import Qwen3Model, masked_attend
+from cde.qwen3.model import AttendFn, Qwen3Model
 
 
 @lru_cache(maxsize=16)
@@ -49,6 +49,22 @@ def attention_mask(length: int, block: int, device: torch.device | str = "cpu") 
     if length < 1 or block < 1:
         raise ValueError("length and block must be positive")
     return _mask_cpu(length, block).to(device)
+
+
+def training_attend(mask: Tensor | None) -> AttendFn:
+    """SDPA with K/V heads repeated to the query heads (GQA as ``enable_gqa`` groups them):
+    on CUDA this keeps masked training attention on the memory-efficient kernel and causal
+    attention on flash, whatever their GQA support. mask None: causal."""
+
+    def attend(_layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return attend
 
 
 @dataclass
@@ -87,10 +103,10 @@ def consistency_loss(model: Qwen3Model, batch: ConsistencyBatch, lora_gated: boo
     (detached), else the fixed weight."""
     n = batch.length
     gate = batch.gate if lora_gated else None
-    h = model.hidden_states(batch.tokens, batch.positions, masked_attend(batch.mask), gate)
+    h = model.hidden_states(batch.tokens, batch.positions, training_attend(batch.mask), gate)
     # Only rows that have a target: x_t 0..L-2 and x_0 0..L-2.
     h = torch.cat([h[:, :n - 1], h[:, n:2 * n - 1]], dim=1)
-    logits = model.logits(h).float()
+    logits = _at_least_fp32(model.logits(h))
     v = logits.shape[-1]
     ce = F.cross_entropy(logits.reshape(-1, v), batch.targets.repeat(1, 2).reshape(-1),
                          reduction="none").view(logits.shape[0], 2, n - 1)
@@ -100,7 +116,14 @@ def consistency_loss(model: Qwen3Model, batch: ConsistencyBatch, lora_gated: boo
     return ConsistencyLosses(total, l_mask.detach(), l_clean.detach())
 
 
+def _at_least_fp32(x: Tensor) -> Tensor:
+    """bf16 logits are upcast for the loss; float64 (tests) stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def causal_lm_loss(model: Qwen3Model, tokens: Tensor) -> Tensor:
     """Next-token CE of a plain causal forward (the AR base's objective, the held-out loss)."""
-    logits = model(tokens[:, :-1]).float()
+    x = tokens[:, :-1]
+    positions = torch.arange(x.shape[1], device=x.device).expand_as(x)
+    logits = _at_least_fp32(model.logits(model.hidden_states(x, positions, training_attend(None))))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
