@@ -1,16 +1,14 @@
 """Training text for idlm-small: one function, ``load_corpus``, behind which the source can change.
 
-Sources:
+Sources (only one so far; the data package's shard loader, ``train.data.ShardSet``, with its
+prose shards, would be a second one here):
 
-* ``"train"``: the project's training-data package (``train.build_data`` / its loader: a
-  byte-level BPE ``tokenizer.json`` with ChatML specials and a mask, uint16 shards), used
-  when it is importable and has produced data (see ``_from_train_package``);
 * ``"standin"``: a self-contained stand-in: seeded stories (the data helper's grammar,
   ``train/stories.py``, when the tree has it, else a small grammar of our own: characters,
   settings, animals, weather, objects, feelings, dialogue, a moral) plus chat-form pairs
-  ("Tell me a story about X." -> a story), and a byte-level BPE trained on them with
-  ``tokenizers``. It runs anywhere in seconds (tiny) to tens of seconds (GPU run, 16 cores);
-* ``"auto"``: "train" if available, else "standin".
+  ("Tell me a story about X." -> a story), tokenized with the bundled models' tokenizer
+  (``train/artifacts/tokenizer.json``) when the tree has it, else a byte-level BPE trained on
+  them here with ``tokenizers``. It runs anywhere in seconds (tiny) to tens of seconds (GPU run, 16 cores);
 
 Every source gives the same thing: a :class:`Corpus` (tokenizer.json path, special ids, a
 uint16 token stream for training with documents separated by ``<|endoftext|>``, a disjoint
@@ -22,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +156,19 @@ def _docs_job(args: tuple[int, int, int]) -> list[str]:
     return documents(*args)
 
 
+SHARED_TOKENIZER = Path(__file__).resolve().parent / "artifacts" / "tokenizer.json"
+
+
+def shared_tokenizer() -> Path | None:
+    """The committed tokenizer of the bundled models (train/artifacts/tokenizer.json, built by
+    ``python -m train.build_data tokenizer``), when the tree has it and it has the causal
+    family's specials."""
+    if not SHARED_TOKENIZER.is_file():
+        return None
+    added = {t["content"] for t in json.loads(SHARED_TOKENIZER.read_text()).get("added_tokens", [])}
+    return SHARED_TOKENIZER if set(SPECIALS) <= added else None
+
+
 def _train_tokenizer(texts: list[str], vocab_size: int, path: Path) -> None:
     """The data helper's tokenizer trainer (train/tokenizer_build.py: the bundled models' specials
     and ids) when the tree has it, else a byte-level BPE with the four causal-family specials."""
@@ -220,7 +232,12 @@ def standin_corpus(work_dir: str | Path, train_docs: int, vocab_size: int, seed:
     sample = [d for part in _pool_map(_docs_job, [(seed, a, c) for a, c in _ranges(0, n_tok, workers)], workers)
               for d in part]
     tok_file = work_dir / "tokenizer.json"
-    _train_tokenizer(sample, vocab_size, tok_file)
+    shared = shared_tokenizer()
+    if shared is not None:   # the bundled models' tokenizer (data helper, issue 14): the same family
+        work_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shared, tok_file)
+    else:
+        _train_tokenizer(sample, vocab_size, tok_file)
     data = json.loads(tok_file.read_text())
     special = {t["content"]: int(t["id"]) for t in data["added_tokens"]}
     eot = special[ENDOFTEXT]
@@ -230,7 +247,8 @@ def standin_corpus(work_dir: str | Path, train_docs: int, vocab_size: int, seed:
     prompts, prompt_texts = _prompts(tok_file, seed, n_prompts)
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(str(tok_file)).get_vocab_size(with_added_tokens=True)
-    return Corpus(tok_file, special, vocab, train, heldout, prompts, prompt_texts, f"standin ({story_source()})")
+    source = f"standin ({story_source()}; tokenizer: {'train/artifacts' if shared else 'trained here'})"
+    return Corpus(tok_file, special, vocab, train, heldout, prompts, prompt_texts, source)
 
 
 def _prompts(tok_file: Path, seed: int, n: int) -> tuple[list[list[int]], list[str]]:
@@ -246,28 +264,12 @@ def _prompts(tok_file: Path, seed: int, n: int) -> tuple[list[list[int]], list[s
     return [tok.encode(t, add_special_tokens=False).ids for t in texts], texts
 
 
-# ---- the project's training-data package ---------------------------------------------------
-def _from_train_package(work_dir: Path, tiny: bool) -> Corpus | None:
-    """The data helper's loader (issue 14), when it exists. None when it is not importable."""
-    try:
-        from train import data_loader  # type: ignore[attr-defined]  # noqa: F401
-    except ImportError:
-        return None
-    return None   # wired up once its API is final (see the report); stand-in until then
-
-
 def load_corpus(source: str, work_dir: str | Path, *, tiny: bool = False, seed: int = 1,
                 docs: int | None = None) -> Corpus:
     """The corpus of a run; ``docs`` overrides the stand-in's number of training documents."""
     work_dir = Path(work_dir)
-    if source not in ("auto", "train", "standin"):
-        raise ValueError(f"data source must be auto, train or standin, got {source!r}")
-    if source in ("auto", "train"):
-        corpus = _from_train_package(work_dir, tiny)
-        if corpus is not None:
-            return corpus
-        if source == "train":
-            raise RuntimeError("the train data package is not available in this tree")
+    if source != "standin":
+        raise ValueError(f"data source must be 'standin' (the only one wired so far), got {source!r}")
     if tiny:
         return standin_corpus(work_dir, train_docs=docs or 3000, vocab_size=512, seed=seed, heldout_docs=60,
                               n_prompts=8, workers=1)

@@ -399,7 +399,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-budget-s", type=float, default=540.0, help="wall-clock budget for everything")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes and corpus (CPU smoke run)")
-    ap.add_argument("--data", default="auto", choices=("auto", "train", "standin"))
+    ap.add_argument("--data", default="standin", choices=("standin",),
+                    help="corpus source (train/idlm_data.py): generated stories + chat pairs")
     ap.add_argument("--shares", default="0.55,0.30,0.15", help="time shares: base, conversion, R-ISD adapter")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work-dir", default="", help="corpus/tokenizer scratch (default: a temporary directory)")
