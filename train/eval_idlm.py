@@ -26,7 +26,7 @@ prompts come from the bundle's ``training.json`` (documents the training never s
    projection, TPF x (AR step / ISD step) of the idlm-8b bench JSON (``--bench-8b``).
 
 Writes the JSON (``--out``) and the model card ``README.md`` in the model directory
-(``--no-card`` to skip).
+(``--card-out`` elsewhere, e.g. under $OUT on the GPU machine; ``--no-card`` to skip).
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ def samples(model: Qwen3Model, model_dir: Path, prompts: list[list[int]], max_ne
     return out
 
 
-def write_card(model_dir: Path, res: dict, tr: dict) -> Path:
+def write_card(path: Path, res: dict, tr: dict) -> Path:
     rec = tr["recipe"]
     tb = {(r["stride"], r["temperature"]): r for r in res["isd"]}
     lines = [
@@ -323,7 +323,8 @@ def write_card(model_dir: Path, res: dict, tr: dict) -> Path:
         "",
         "## Figures (held-out text and prompts)",
         "",
-        f"Measured by `python -m train.eval_idlm` on {res['device']} ({res['dtype']}); JSON: `{res['out']}`.",
+        f"Measured by `python -m train.eval_idlm` on {res['device']} ({res['dtype']}) at commit {res['commit']}; "
+        f"JSON: `bench/results/{Path(res['out']).name}`.",
         "",
         "| figure | value |",
         "|---|---|",
@@ -375,13 +376,15 @@ def write_card(model_dir: Path, res: dict, tr: dict) -> Path:
     for s in res.get("samples", []):
         lines += [f"- T = {s['temperature']:g}, prompt `{s['prompt']!r}`:", f"  > {s['completion']!r}"]
     lines += ["", "The text is synthetic (a grammar of our own); nothing here is a general-purpose language model.", ""]
-    path = model_dir / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     return path
 
 
 # ---- main -------------------------------------------------------------------------------------
 def evaluate(args: argparse.Namespace) -> dict:
+    if args.device == "cpu" and args.threads > 0:
+        torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir)
     training = json.loads((model_dir / "training.json").read_text())
     heldout = training.get("heldout_sample") or []
@@ -434,7 +437,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     if not args.no_card:
-        print(f"model card: {write_card(model_dir, res, training)}")
+        card = Path(args.card_out) if args.card_out else model_dir / "README.md"
+        print(f"model card: {write_card(card, res, training)}")
     print(f"wrote {out} ({res['seconds']:.0f} s)")
     return res
 
@@ -464,9 +468,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sample-prompts", type=int, default=3)
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100_000,
                     help="decoding seed of the distribution test (printed in the JSON)")
+    ap.add_argument("--threads", type=int, default=0, help="CPU: torch threads (0: torch's default)")
     ap.add_argument("--speed", action="store_true", help="GPU: tok/s at C = 1, 32, 64")
     ap.add_argument("--bench-8b", default="bench/results/isd-idlm-8b-h200-3152228.json")
     ap.add_argument("--no-card", action="store_true")
+    ap.add_argument("--card-out", default="", help="where the model card goes (default: MODEL_DIR/README.md)")
     args = ap.parse_args(argv)
     args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
     if args.dist_runs < 100 or args.prompts < 1:

@@ -263,6 +263,8 @@ def train(args: argparse.Namespace) -> dict:
     t_start = time.monotonic()
     recipe = TINY if args.tiny else SMALL
     device = torch.device(args.device)
+    if device.type == "cpu" and args.threads > 0:
+        torch.set_num_threads(args.threads)   # a shared small CPU: more threads spin and stall
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -407,6 +409,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--base-from", default="", help="reuse a bundle's AR base (skip phase 1; resume)")
     ap.add_argument("--corpus-docs", type=int, default=None, help="stand-in training documents (default 400K; "
                     "tiny 3K)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads (0: torch's default)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the AR base phase's step")
     ap.add_argument("--max-steps", type=int, default=None, help="cap each phase's steps (tests)")
     return ap.parse_args(argv)
