@@ -231,3 +231,27 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     assert res["greedy_equality"]["all_identical"], res["greedy_equality"]
     assert {(r["stride"], r["temperature"]) for r in res["isd"]} == {(n, t) for n in (2, 3, 4, 8) for t in (0.0, 1.0)}
     assert (out / "README.md").is_file()
+
+
+def test_eval_introspection_losses_equal_the_training_objective():
+    """eval_idlm's per-row alpha pass computes the training loss it reports (rows differ)."""
+    from train.eval_idlm import introspection
+    seed = fresh_seed()
+    model = tiny_model(seed)
+    random_lora(model, seed).bind(model)
+    rows = torch.randint(0, MASK, (3, 13), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        for gated in (False, True):
+            got = introspection(model, rows, 4, gated=gated)
+            want = consistency_loss(model, consistency_batch(rows[:, :-1], 3, MASK), lora_gated=gated)
+            assert abs(got["mask_loss"] - float(want.mask)) < 1e-9, f"seed={seed} gated={gated}"
+            assert abs(got["clean_loss"] - float(want.clean)) < 1e-9, f"seed={seed} gated={gated}"
+            assert 0.0 <= got["alpha"] <= 1.0 and 0.0 <= got["greedy_agree"] <= 1.0, f"seed={seed}"
+
+
+def test_tpf_formula_limits():
+    from train.eval_idlm import tpf_formula
+    for n in (2, 3, 4, 8):
+        assert tpf_formula(0.0, n) == 1.0
+        assert abs(tpf_formula(1.0, n) - n) < 1e-12
+    assert abs(tpf_formula(0.5, 4) - (2 + 0.5 + 0.25) / (2 - 0.125)) < 1e-12

@@ -12,9 +12,10 @@ prompts come from the bundle's ``training.json`` (documents the training never s
    moved), and L_mask at N = 4 (recomputed here, not copied from training);
 2. introspective acceptance alpha on held-out text, per mask offset: with the [x_t | x_0]
    layout q comes from a mask position and p from the clean position predicting the same
-   token: ``alpha_text`` = mean min(1, p(x)/q(x)) at the text token x, ``alpha`` = E_{x~q}
-   min(1, p/q) = sum min(p, q) (the T = 1 acceptance of one draft), ``greedy_agree`` =
-   P(argmax q == argmax p) (the T = 0 acceptance of a draft given correct context);
+   token: ``alpha`` = E_{x~q} min(1, p/q) = sum min(p, q) (the T = 1 acceptance of a draft
+   drawn from q), ``greedy_agree`` = P(argmax q == argmax p) (the T = 0 acceptance of a
+   draft given correct context), and ``alpha_text`` = mean min(1, p(x)/q(x)) at the text
+   token x (the literal reading; near 1 whenever the clean position is the surer one);
 3. for N = 2, 3, 4, 8 at T = 0 and 1: acceptance, tokens per forward (prefill counted, as
    the API reports it, and steady-state without it) and the spec's formula
    TPF = (2 + p + ... + p^(N-2)) / (2 - p^(N-1)) at the measured p;
@@ -107,7 +108,7 @@ def introspection(model: Qwen3Model, rows: torch.Tensor, stride: int, gated: boo
         p_log = logits[0, n:2 * n - 1]
         if p_model is not None:
             p_log = p_model(x0[sl])[0, :n - 1].double()
-        target = x0[0, 1:]
+        target = x0[i, 1:]
         lq = torch.log_softmax(q_log, -1)
         lp = torch.log_softmax(p_log, -1)
         sums["mask_loss"].append(float(-lq.gather(-1, target[:, None]).mean()))
@@ -139,12 +140,13 @@ def engine_runs(model: Qwen3Model, prompts: list[list[int]], opts: IsdOptions) -
     reqs = [engine.submit(f"r{i}", p, IsdOptions(**{**opts.__dict__, "seed": opts.seed + i}))
             for i, p in enumerate(prompts)]
     engine.run_until_idle()
-    tot = {"forwards": 0, "generated": 0, "proposed": 0, "accepted": 0, "requests": len(prompts)}
+    keys = ("forwards", "generated", "proposed", "accepted", "verify_steps", "full_accepts")
+    tot = {k: 0 for k in keys} | {"requests": len(prompts)}
     outs = []
     for r in reqs:
         fin = [e for e in engine.drain(r) if isinstance(e, IsdFinishEvent)][0]
         outs.append(list(fin.output_tokens))
-        for key in ("forwards", "generated", "proposed", "accepted"):
+        for key in keys:
             tot[key] += getattr(fin.stats, key)
     return tot, outs
 
@@ -155,13 +157,17 @@ def tpf_table(model: Qwen3Model, prompts: list[list[int]], max_new: int, strides
     for t in temperatures:
         for n in strides:
             tot, _ = engine_runs(model, prompts, IsdOptions(max_new_tokens=max_new, stride=n, temperature=t, seed=11))
-            p = tot["accepted"] / tot["proposed"] if tot["proposed"] else 0.0
+            acceptance = tot["accepted"] / tot["proposed"] if tot["proposed"] else 0.0
+            # p: a draft's acceptance given the drafts before it were accepted (the formula's p):
+            # accepted over the drafts examined (accepted + one rejection per non-full verify step)
+            examined = tot["accepted"] + tot["verify_steps"] - tot["full_accepts"]
+            p = tot["accepted"] / examined if examined else 0.0
             n_req = tot["requests"]
-            rows.append({"stride": n, "temperature": t, "acceptance": p,
+            rows.append({"stride": n, "temperature": t, "acceptance": acceptance, "p": p,
                          "tokens_per_forward": tot["generated"] / tot["forwards"],
                          "tokens_per_forward_steady": (tot["generated"] - n_req) / max(tot["forwards"] - n_req, 1),
                          "formula_tpf_at_p": tpf_formula(p, n), **tot})
-            print(f"  N={n} T={t}: acceptance {p:.3f}, TPF {rows[-1]['tokens_per_forward']:.3f} "
+            print(f"  N={n} T={t}: acceptance {acceptance:.3f}, p {p:.3f}, TPF {rows[-1]['tokens_per_forward']:.3f} "
                   f"(steady {rows[-1]['tokens_per_forward_steady']:.3f}, formula {rows[-1]['formula_tpf_at_p']:.3f})",
                   flush=True)
     return rows
@@ -342,12 +348,16 @@ def write_card(path: Path, res: dict, tr: dict) -> Path:
         d = res["risd_distribution"]
         lines.append(f"| R-ISD output == base AR distribution (chi-square, {d['runs']} runs) | p = "
                      f"{d['gated']['p_value']:.3g}; broken gate p = {d['broken_ungated']['p_value']:.3g} |")
-    lines += ["", "Acceptance and tokens per forward (TPF, prefill counted as the API reports it; formula: "
-              "(2 + p + ... + p^(N-2)) / (2 - p^(N-1)) at the measured p; paper, I-DLM-8B: 2.96 at N = 4):", "",
-              "| model | N | T | acceptance p | TPF | TPF steady | formula at p |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "Acceptance (accepted / proposed drafts, as the API reports it), p (a draft's acceptance "
+              "given the drafts before it were accepted), tokens per forward (TPF; prefill counted as the API "
+              "counts it; steady: without the prefill) and the formula (2 + p + ... + p^(N-2)) / (2 - p^(N-1)) "
+              f"at the measured p; {res['isd'][0]['requests']} held-out prompts, up to "
+              f"{res['max_new']} new tokens (stories end earlier at their end-of-text); paper, I-DLM-8B: 2.96 at N = 4:",
+              "", "| model | N | T | acceptance | p | TPF | TPF steady | formula at p |",
+              "|---|---|---|---|---|---|---|---|"]
     for label, table in (("converted", res["isd"]), ("R-ISD", res.get("risd_isd") or [])):
         for r in table:
-            lines.append(f"| {label} | {r['stride']} | {r['temperature']:g} | {r['acceptance']:.3f} | "
+            lines.append(f"| {label} | {r['stride']} | {r['temperature']:g} | {r['acceptance']:.3f} | {r['p']:.3f} | "
                          f"{r['tokens_per_forward']:.3f} | {r['tokens_per_forward_steady']:.3f} | "
                          f"{r['formula_tpf_at_p']:.3f} |")
     n4 = tb.get((4, 0.0))
@@ -393,7 +403,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     t0 = time.monotonic()
     models = load_models(model_dir, args.device, dtype)
     res: dict = {"model_dir": str(model_dir), "device": args.device, "dtype": args.dtype, "out": args.out,
-                 "commit": _commit(), "command": " ".join(["python -m train.eval_idlm", *args.argv]),
+                 "commit": _commit(), "max_new": args.max_new, "command": " ".join(["python -m train.eval_idlm", *args.argv]),
                  "torch": torch.__version__, "host": platform.node(), "paper": PAPER,
                  "training_summary": {k: training.get(k) for k in ("recipe", "phases", "heldout", "parameters",
                                                                    "source", "seconds_total")}}
