@@ -215,7 +215,8 @@ def exact_ar_distribution(model: Qwen3Model, prompt: list[int], new_tokens: int,
 
 
 def chi_square(counts: dict, exact: dict, n: int) -> tuple[float, int, float, float]:
-    """Pearson chi-square, least likely cells pooled until the pool expects >= 5: (stat, df, p, TV)."""
+    """Pearson chi-square, least likely cells pooled until the pool expects >= 5: (stat, df, p, TV).
+    A sampled sequence outside the exact distribution's support gives p = 0 at once."""
     impossible = set(counts) - set(exact)
     if impossible:
         return float("inf"), 0, 0.0, 1.0
@@ -247,9 +248,12 @@ def risd_distribution_test(risd: Qwen3Model, prompt: list[int], runs: int, seed:
             counts[key] = counts.get(key, 0) + 1
         stat, df, p, tv = chi_square(counts, exact, runs)
         prop = sum(g.stats.proposed for g in gens)
+        impossible = sum(c for k, c in counts.items() if k not in exact)
         out[label] = {"chi2": stat, "df": df, "p_value": p, "total_variation": tv,
+                      "runs_outside_base_support": impossible,
                       "acceptance": sum(g.stats.accepted for g in gens) / prop if prop else 0.0}
-        print(f"  R-ISD {label}: chi2 {stat:.1f} df {df} p {p:.3g} TV {tv:.4f}", flush=True)
+        print(f"  R-ISD {label}: chi2 {stat:.1f} df {df} p {p:.3g} TV {tv:.4f}, {impossible} runs produced a "
+              f"sequence the base cannot", flush=True)
     out["passes"] = out["gated"]["p_value"] > 1e-5 and out["broken_ungated"]["p_value"] < 1e-12
     return out
 
@@ -346,8 +350,11 @@ def write_card(path: Path, res: dict, tr: dict) -> Path:
     ]
     if res.get("risd_distribution"):
         d = res["risd_distribution"]
-        lines.append(f"| R-ISD output == base AR distribution (chi-square, {d['runs']} runs) | p = "
-                     f"{d['gated']['p_value']:.3g}; broken gate p = {d['broken_ungated']['p_value']:.3g} |")
+        lines.append(f"| R-ISD output == base AR distribution (chi-square, {d['runs']} runs of {d['new_tokens']} "
+                     f"tokens, T = {d['temperature']:g}, top-k {d['top_k']}, N = {d['stride']}) | p = "
+                     f"{d['gated']['p_value']:.3g}; control with the gate off: p = "
+                     f"{d['broken_ungated']['p_value']:.3g} ({d['broken_ungated']['runs_outside_base_support']} runs "
+                     f"outside the base's support) |")
     lines += ["", "Acceptance (accepted / proposed drafts, as the API reports it), p (a draft's acceptance "
               "given the drafts before it were accepted), tokens per forward (TPF; prefill counted as the API "
               "counts it; steady: without the prefill) and the formula (2 + p + ... + p^(N-2)) / (2 - p^(N-1)) "
