@@ -255,3 +255,14 @@ def test_tpf_formula_limits():
         assert tpf_formula(0.0, n) == 1.0
         assert abs(tpf_formula(1.0, n) - n) < 1e-12
     assert abs(tpf_formula(0.5, 4) - (2 + 0.5 + 0.25) / (2 - 0.125)) < 1e-12
+
+
+def test_stride_curriculum_reaches_the_last_stride_in_order():
+    import dataclasses
+
+    from train.train_idlm import SMALL, stride_at
+    for max_stride in (2, 4, 8):
+        recipe = dataclasses.replace(SMALL, max_stride=max_stride)
+        seq = [stride_at(i / 200, recipe) for i in range(200)]
+        assert seq == sorted(seq) and seq[0] == 2 and seq[-1] == max_stride, (max_stride, seq)
+        assert set(seq) == set(range(2, max_stride + 1)), (max_stride, sorted(set(seq)))

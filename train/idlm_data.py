@@ -228,16 +228,15 @@ def standin_corpus(work_dir: str | Path, train_docs: int, vocab_size: int, seed:
     ``workers`` processes."""
     work_dir = Path(work_dir)
     workers = workers or max(1, min(16, os.cpu_count() or 1))
-    n_tok = min(tokenizer_docs, train_docs)
-    sample = [d for part in _pool_map(_docs_job, [(seed, a, c) for a, c in _ranges(0, n_tok, workers)], workers)
-              for d in part]
     tok_file = work_dir / "tokenizer.json"
     shared = shared_tokenizer()
     if shared is not None:   # the bundled models' tokenizer (data helper, issue 14): the same family
         work_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(shared, tok_file)
     else:
-        _train_tokenizer(sample, vocab_size, tok_file)
+        n_tok = min(tokenizer_docs, train_docs)
+        jobs = [(seed, a, c) for a, c in _ranges(0, n_tok, workers)]
+        _train_tokenizer([d for part in _pool_map(_docs_job, jobs, workers) for d in part], vocab_size, tok_file)
     data = json.loads(tok_file.read_text())
     special = {t["content"]: int(t["id"]) for t in data["added_tokens"]}
     eot = special[ENDOFTEXT]

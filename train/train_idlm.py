@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import shutil
@@ -194,6 +195,9 @@ def stride_at(frac: float, recipe: Recipe) -> int:
     """The curriculum: stride 2 first, then 3, ... up to max_stride."""
     strides = list(range(2, recipe.max_stride + 1))
     shares = list(recipe.curriculum)[:len(strides)]
+    if len(strides) > len(shares):   # the last share is split evenly over the strides past the list
+        rest = len(strides) - len(shares) + 1
+        shares = shares[:-1] + [shares[-1] / rest] * rest
     acc = 0.0
     for s, share in zip(strides, shares):
         acc += share / sum(shares)
@@ -262,6 +266,9 @@ def write_bundle(out: Path, base: Qwen3Model, corpus: Corpus, conv: TrainableLor
 def train(args: argparse.Namespace) -> dict:
     t_start = time.monotonic()
     recipe = TINY if args.tiny else SMALL
+    overrides = {k: getattr(args, k) for k in ("conv_rank", "risd_rank", "base_lr", "lora_lr", "max_stride")
+                 if getattr(args, k) is not None}
+    recipe = dataclasses.replace(recipe, **overrides)
     device = torch.device(args.device)
     if device.type == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)   # a shared small CPU: more threads spin and stall
@@ -409,6 +416,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--base-from", default="", help="reuse a bundle's AR base (skip phase 1; resume)")
     ap.add_argument("--corpus-docs", type=int, default=None, help="stand-in training documents (default 400K; "
                     "tiny 3K)")
+    ap.add_argument("--conv-rank", type=int, default=None, help="conversion LoRA rank (default 32; tiny 8)")
+    ap.add_argument("--risd-rank", type=int, default=None, help="R-ISD LoRA rank (default 16; tiny 4)")
+    ap.add_argument("--base-lr", type=float, default=None)
+    ap.add_argument("--lora-lr", type=float, default=None)
+    ap.add_argument("--max-stride", type=int, default=None, help="the curriculum's last stride (default 4)")
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads (0: torch's default)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the AR base phase's step")
     ap.add_argument("--max-steps", type=int, default=None, help="cap each phase's steps (tests)")
