@@ -240,7 +240,8 @@ def build_corpus(out: Path, seed: int, log: Callable[[str], None], time_budget_s
     generate_story_shards(out / "stories", n_tokens, seed, workers, "llama3", 0.35, build_data.TOKENIZER,
                           build_data.LEXICON, per_shard=2000, progress=True)
     if build_data.PROSE.exists():
-        names = unpack_shards(build_data.PROSE, out / "prose")
+        names = unpack_shards(build_data.PROSE, out / "prose", build_data.TOKENIZER, build_data.LEXICON,
+                              workers=workers)
         log(f"unpacked {len(names)} prose shards")
     log(f"corpus ready in {time.monotonic() - t0:.0f}s")
     return out
