@@ -9,6 +9,7 @@
 #   bash bench/run_h200.sh isd         # I-DLM-8B: ISD N=4 and AR at C=1, 32, 64 vs the 7- and 1-query floors (greedy)
 #   bash bench/run_h200.sh isd-sampled # the same at C=1, 64 with sampled requests (T = 1: draws, verify kernel)
 #   bash bench/run_h200.sh isd-ablation # I-DLM-8B at C=1, 32 without overlapped steps (what overlap saves)
+#   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
 #   bash bench/run_h200.sh anchor      # the public reference (bench/anchor_steerling_ref.py)
 #
 # `anchor` needs the public `steerling` 0.2.0 package: installed, or its wheel and pydantic's
@@ -53,6 +54,16 @@ case "$stage" in
   isd-ablation)
     python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,32 --strides 4,1 --no-overlap \
       --out "$OUT/isd-idlm-8b-h200-$short-no-overlap.json" 2>&1 | grep -v Warning ;;
+  train-steerling)
+    # steerling-small: corpus (stories generated here + the committed prose), training, held-out
+    # evaluation, in one command of < 10 minutes. Returns the sharded bf16 weights, config,
+    # training log and the eval JSON (tokenizer.json / concept_labels.parquet come from train/artifacts).
+    data=/tmp/steerling-data
+    python3 -u -m train.train_steerling --out "$OUT/steerling-small" --data "$data" \
+      --time-budget-s "${TRAIN_BUDGET_S:-420}" 2>&1 | grep -v Warning | tee "$OUT/train-steerling-small-$short.log"
+    python3 -u -m train.eval_steerling --model-dir "$OUT/steerling-small" --data "$data" \
+      --out "$OUT/eval-steerling-small-h200-$short.json" 2>&1 | grep -v Warning | tee -a "$OUT/train-steerling-small-$short.log"
+    rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet" ;;
   anchor)
     python3 bench/anchor_steerling_ref.py 2>&1 | tee "$OUT/anchor-steerling-ref-h200-$short.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from cde.checkpoint import CheckpointError, CheckpointReader
@@ -211,6 +212,22 @@ def attach_lora(model: Qwen3Model, adapter: LoraAdapter) -> Qwen3Model:
     detach_lora(model)
     for name, (a, b, scaling) in adapter.modules.items():
         projections[name].set_lora(a, b, scaling)
+    return model
+
+
+@torch.no_grad()
+def merge_lora(model: Qwen3Model, adapter: LoraAdapter) -> Qwen3Model:
+    """Fold ``adapter`` into the base weights, ungated (PEFT's ``merge_and_unload``):
+    ``W += scaling * B A``, summed in float32 and rounded once to the weight's dtype. The
+    model then computes the adapted function with no LoRA attached (fused projections,
+    graphs and every engine path unchanged)."""
+    projections = model.lora_modules()
+    missing = [n for n in adapter.modules if n not in projections]
+    if missing:
+        raise ValueError(f"adapter module {missing[0]} is not a projection of this model")
+    for name, (a, b, scaling) in adapter.modules.items():
+        w = projections[name].weight
+        w.copy_((w.float() + scaling * (b.float() @ a.float())).to(w.dtype))
     return model
 
 

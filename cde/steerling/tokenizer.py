@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -37,6 +38,7 @@ __all__ = [
     "ByteTokenizer",
     "Cl100kTokenizer",
     "Tokenizer",
+    "TokenizerJsonTokenizer",
     "check_special_ids",
     "load_model_tokenizer",
     "load_tokenizer",
@@ -361,13 +363,101 @@ class ByteTokenizer(Tokenizer):
         return bytes(ids)
 
 
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: printable stand-in character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + list(
+        range(ord("\u00ae"), ord("\u00ff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_STEERLING_BASE = ("<|endoftext|>", "<|pad|>", "<|bos|>", "<|endofchunk|>", "<|mask|>")
+_STEERLING_CHAT = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+class TokenizerJsonTokenizer(Tokenizer):
+    """A byte-level BPE ``tokenizer.json`` (Hugging Face ``tokenizers``) with the Steerling
+    specials as added tokens: the bundled trained models' tokenizer (train/tokenizer_build.py).
+
+    The ids are the file's. Every added token of the file is special here (the ChatML ones a
+    causal model of the same family uses included): ``encode`` never emits one, because the
+    text is encoded with special-token matching off (their spellings go through the byte-level
+    pre-tokenizer, which splits them), and ``decode`` drops them. ``instruct=False`` leaves the
+    header / eot tokens out: their ids are then unassigned, as in the base cl100k layout.
+
+    Raises ValueError for a file that is not byte-level BPE or lacks a required special.
+    """
+
+    def __init__(self, tokenizer_file: str | Path, instruct: bool = True) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(tokenizer_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {path} (nothing is downloaded)")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            model = data.get("model") or {}
+            added = {t["content"]: int(t["id"]) for t in data.get("added_tokens") or []}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: not a tokenizers file ({e})") from e
+        if model.get("type") != "BPE" or (data.get("decoder") or {}).get("type") != "ByteLevel":
+            raise ValueError(f"{path}: expected a byte-level BPE tokenizer (model BPE, decoder ByteLevel)")
+        required = _STEERLING_BASE + (_STEERLING_CHAT if instruct else ())
+        missing = [t for t in required if t not in added]
+        if missing:
+            raise ValueError(f"{path}: missing special tokens {missing} (Steerling needs {list(required)})")
+        # All added tokens are matched as special in the file we encode with, and never matched in text.
+        protected = dict(data, added_tokens=[dict(t, special=True) for t in data.get("added_tokens") or []])
+        self._hf = HFTokenizer.from_str(json.dumps(protected))
+        self._hf.encode_special_tokens = True
+        self.name = f"tokenizer_json:{path.name}" + ("_instruct" if instruct else "")
+        self.path = path
+        self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+        table = _byte_level_table()
+        self._added_ids = frozenset(added.values())
+        self._bytes: list[bytes | None] = []
+        for i in range(self.vocab_size):
+            piece = self._hf.id_to_token(i)
+            if piece is None or i in self._added_ids:
+                self._bytes.append(None)
+            else:
+                try:
+                    self._bytes.append(bytes(table[c] for c in piece))
+                except KeyError:
+                    raise ValueError(f"{path}: token {i} {piece!r} is not byte-level") from None
+        chat = set(_STEERLING_CHAT)
+        self._init_specials({s: i for s, i in added.items() if instruct or s not in chat})
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._hf.encode(_clean_surrogates(text), add_special_tokens=False).ids
+        if self._added_ids.intersection(ids):  # cannot happen with encode_special_tokens; never let it through
+            raise ValueError("text encoded to a special id")
+        return ids
+
+    def _ordinary_bytes(self, ids: list[int]) -> bytes:
+        out = []
+        for i in ids:
+            b = self._bytes[i] if 0 <= i < len(self._bytes) else None
+            if b is None:
+                raise ValueError(f"token id {i} is not assigned (or is special) in {self.name}")
+            out.append(b)
+        return b"".join(out)
+
+
 def load_tokenizer(spec: Mapping[str, Any], model_dir: Path | None) -> Tokenizer:
     """Build the tokenizer a model's config asks for.
 
-    ``spec`` examples: ``{"kind": "byte"}`` or ``{"kind": "cl100k",
+    ``spec`` examples: ``{"kind": "byte"}``, ``{"kind": "cl100k",
     "bpe_file": "cl100k_base.tiktoken", "instruct": true, "sha256": "..."}``
     (``bpe_file``, ``instruct`` and ``sha256`` optional; defaults shown, no
-    hash check unless given).  A relative ``bpe_file`` is resolved against
+    hash check unless given) or ``{"kind": "tokenizer_json", "file":
+    "tokenizer.json", "instruct": true}`` (``file``, ``instruct`` optional).  A relative ``bpe_file`` is resolved against
     ``model_dir`` (or the working directory if None).  A non-empty
     ``CDE_CL100K_BPE`` overrides the path entirely.  Unknown keys are
     rejected so that a typo (``"instuct"``) cannot silently change the ids.
@@ -389,7 +479,16 @@ def load_tokenizer(spec: Mapping[str, Any], model_dir: Path | None) -> Tokenizer
         if not isinstance(instruct, bool):
             raise ValueError(f"tokenizer spec 'instruct' must be a bool, got {instruct!r}")
         return Cl100kTokenizer(path, instruct=instruct, expected_sha256=spec.get("sha256"))
-    raise ValueError(f"unknown tokenizer kind {kind!r} (expected 'byte' or 'cl100k')")
+    if kind == "tokenizer_json":
+        _check_keys(spec, {"kind", "file", "instruct"})
+        path = Path(spec.get("file", "tokenizer.json"))
+        if not path.is_absolute() and model_dir is not None:
+            path = Path(model_dir) / path
+        instruct = spec.get("instruct", True)
+        if not isinstance(instruct, bool):
+            raise ValueError(f"tokenizer spec 'instruct' must be a bool, got {instruct!r}")
+        return TokenizerJsonTokenizer(path, instruct=instruct)
+    raise ValueError(f"unknown tokenizer kind {kind!r} (expected 'byte', 'cl100k' or 'tokenizer_json')")
 
 
 def _check_keys(spec: Mapping[str, Any], allowed: set[str]) -> None:

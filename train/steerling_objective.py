@@ -1,0 +1,226 @@
+"""The training objective of steerling-small: block diffusion + concept heads + steering.
+
+Everything here runs the project's own model (`cde.steerling.model.SteerlingModel`) with a
+pluggable attention function; nothing of the architecture is copied.
+
+Layout (all blocks of a sequence trained at once). A sample of T clean tokens x0 becomes the
+2T-long input [x_t | x_0] with the same absolute positions in both halves, where x_t masks each
+position of diffusion block b with probability t_b ~ U(T_MIN, 1) (one noise level per block):
+- a noisy block b sees itself bidirectionally and the clean blocks before it: exactly what the
+  serving engine's active block sees (its own 64 positions + the committed pages);
+- a clean block sees the clean blocks up to itself (the ordinary block-causal forward, which is
+  what a committed block's K/V are); clean never sees noisy.
+
+Losses (weights in `LossWeights`; choices where the spec is silent are written beside them):
+- `mdm`: cross-entropy of the true token at masked positions of x_t, mean over masked tokens.
+  We do not weight by 1/t (MDLM's ELBO weight): at this size and budget the unweighted mean
+  trained faster and more stably in small trials, and serving samples by confidence anyway.
+- `known`: the known head is supervised by the chunk labels. Per 64-token chunk, pooled
+  p_c = 1 - prod_t (1 - sigmoid(logit_t,c)) over the chunk's positions, BCE against the label,
+  on both halves (the noisy half is what the committing forward sees, the clean half what a
+  clean read of the text sees). Token labels add a token-level BCE at labelled positions.
+- `disc`: the discovered head reconstructs the residual r = h - known (known detached, top-k as
+  in serving) by MSE at the noisy half, plus an independence penalty: the squared Frobenius norm
+  of the cross-covariance between the discovered features and the (detached) known features.
+- `steer`: the express intervention. For a share of the rows whose text carries a steerable
+  concept c, the project's own steering math (`cde.steerling.steering`: unit direction of E_c,
+  alpha = target / max_v(W_lm[v] . dir), injected after blocks i with i + 1 >= inject_layer at
+  still-masked positions) is applied in the same forward, with those rows' noise raised to
+  t in [STEER_T_MIN, 1] so the concept must come from the injection; their cross-entropy counts
+  in `mdm` and a word-set term -log sum_{w in words(c)} p(w) at their masked positions makes the
+  concept's words likelier. Alpha is computed from the current weights and detached.
+
+Without an intervention the LM logits equal lm_head(h) (composed == h up to rounding: the heads
+decompose h rather than change it), so the LM loss does not pass gradient into the heads and we
+skip the composition for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cde.steerling.concept_heads import LOGIT_CLAMP
+from cde.steerling.model import SteeringInputs, SteerlingModel
+from cde.steerling.steering import AMPLIFY_TARGET, AMPLIFY_INJECT_LAYER
+
+T_MIN = 0.05          # lowest per-block mask rate (a block with no mask teaches nothing)
+STEER_T_MIN = 0.7     # steered rows are mostly masked: the concept must come from the injection
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    mdm: float = 1.0
+    known: float = 1.0
+    known_token: float = 0.5
+    disc: float = 1.0
+    independence: float = 1.0
+    steer_words: float = 0.2
+    steer_share: float = 0.25   # share of the rows (with a steerable concept) that are steered
+
+
+@dataclass
+class Batch:
+    """One training batch on the training device.
+
+    tokens (B, T) long; chunk_labels (B, T // 64, C) float 0/1 over the known concepts;
+    token_labels (B, T) long: a known concept id tied to the token by the labeler, -1 for none;
+    steer_concept (B,) long: a steerable concept the row's text carries, -1 for none.
+    """
+
+    tokens: Tensor
+    chunk_labels: Tensor
+    token_labels: Tensor
+    steer_concept: Tensor
+
+
+def noisy_clean_mask(seq_len: int, block: int, device: torch.device | str) -> Tensor:
+    """(2T, 2T) bool: True where a query (row) may attend to a key (column)."""
+    blk = torch.arange(seq_len, device=device) // block
+    same = blk[:, None] == blk[None, :]
+    before = blk[:, None] > blk[None, :]
+    upto = blk[:, None] >= blk[None, :]
+    top = torch.cat([same, before], dim=1)                               # noisy queries
+    bottom = torch.cat([torch.zeros_like(upto), upto], dim=1)            # clean queries
+    return torch.cat([top, bottom], dim=0)
+
+
+def corrupt(tokens: Tensor, mask_id: int, block: int, generator: torch.Generator,
+            t_floor: Tensor) -> tuple[Tensor, Tensor]:
+    """x_t and the bool mask of corrupted positions; t_floor (B,) is each row's lowest block rate."""
+    b, t = tokens.shape
+    n_blocks = t // block
+    dev = tokens.device
+    u = torch.rand(b, n_blocks, generator=generator, device=dev)
+    rate = t_floor[:, None] + (1.0 - t_floor[:, None]) * u                # (B, blocks)
+    rate = rate.repeat_interleave(block, dim=1)
+    masked = torch.rand(b, t, generator=generator, device=dev) < rate
+    return torch.where(masked, torch.full_like(tokens, mask_id), tokens), masked
+
+
+def pooled_chunk_bce(known_logits: Tensor, labels: Tensor, block: int) -> Tensor:
+    """BCE of p = 1 - prod(1 - sigmoid(l)) over each chunk's positions. logits (B, T, C)."""
+    b, t, c = known_logits.shape
+    log_not = F.logsigmoid(-known_logits.float()).view(b, t // block, block, c).sum(2)  # log(1 - p)
+    log_p = torch.log((-torch.expm1(log_not)).clamp_min(1e-12))
+    return -(labels * log_p + (1.0 - labels) * log_not).mean()
+
+
+def token_bce(known_logits: Tensor, token_labels: Tensor) -> Tensor:
+    """BCE at labelled positions: the labelled concept is positive, every other concept negative."""
+    sel = token_labels >= 0
+    if not bool(sel.any()):
+        return known_logits.sum() * 0.0
+    rows = known_logits[sel].float()                                   # (n, C)
+    target = F.one_hot(token_labels[sel], rows.shape[-1]).float()
+    pos_weight = torch.tensor(float(rows.shape[-1]) ** 0.5, device=rows.device)
+    return F.binary_cross_entropy_with_logits(rows, target, pos_weight=pos_weight)
+
+
+def cross_covariance(a: Tensor, b: Tensor) -> Tensor:
+    """Mean squared cross-correlation between the columns of a and b (rows are samples), in [0, 1]."""
+    def standardize(x: Tensor) -> Tensor:
+        x = x.float() - x.float().mean(0)
+        return x / (x.pow(2).mean(0).sqrt() + 1e-4)
+    corr = standardize(a).t() @ standardize(b) / a.shape[0]
+    return corr.pow(2).mean()
+
+
+def steering_for_rows(model: SteerlingModel, concept: Tensor, inject_layer: int, target: float) -> tuple[Tensor, Tensor]:
+    """Unit directions (B, D) and detached alphas (B,) for rows' concepts (-1: none), by the serving math."""
+    emb = model.known_head.concept_embedding.weight
+    lm = model.transformer.lm_head.weight
+    ids = concept.clamp_min(0)
+    vec = emb[ids].float()
+    direction = vec / (vec.norm(dim=-1, keepdim=True) + 1e-12)
+    peak = (direction.detach() @ lm.detach().float().t()).amax(-1).clamp_min(1e-6)
+    alpha = torch.where(concept >= 0, target / peak, torch.zeros_like(peak))
+    return direction, alpha.detach()
+
+
+@dataclass
+class LossParts:
+    total: Tensor
+    parts: dict[str, float]
+
+
+def training_loss(model: SteerlingModel, batch: Batch, generator: torch.Generator, weights: LossWeights,
+                  concept_words: Tensor, concept_word_mask: Tensor, attend_mask: Tensor,
+                  inject_layer: int | None = None, target: float = AMPLIFY_TARGET) -> LossParts:
+    """One batch's loss. concept_words (C, W) token ids of each known concept's words (padded),
+    concept_word_mask (C, W) bool marks the real entries."""
+    cfg = model.cfg
+    block = cfg.diff_block_size
+    tokens = batch.tokens
+    b, t = tokens.shape
+    dev = tokens.device
+    # which rows are steered this batch
+    has = batch.steer_concept >= 0
+    pick = torch.rand(b, generator=generator, device=dev) < weights.steer_share
+    steered = has & pick
+    concept = torch.where(steered, batch.steer_concept, torch.full_like(batch.steer_concept, -1))
+    t_floor = torch.where(steered, torch.full((b,), STEER_T_MIN, device=dev), torch.full((b,), T_MIN, device=dev))
+    xt, masked = corrupt(tokens, cfg.mask_id, block, generator, t_floor)
+
+    inp = torch.cat([xt, tokens], dim=1)
+    pos = torch.arange(t, device=dev).repeat(2)[None].expand(b, 2 * t)
+    layer = min(AMPLIFY_INJECT_LAYER, cfg.n_layers) if inject_layer is None else inject_layer
+    steering = None
+    if bool(steered.any()):
+        direction, alpha = steering_for_rows(model, concept, layer, target)
+        gate = torch.cat([masked, torch.zeros_like(masked)], dim=1).float()
+        steering = SteeringInputs(direction.to(model.transformer.tok_emb.weight.dtype), alpha, gate,
+                                  torch.full((b,), layer, device=dev, dtype=torch.long))
+
+    def attend(_i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask, enable_gqa=True)
+
+    h = model.hidden_states(inp, pos, attend, steering)                 # (B, 2T, D)
+    h_noisy, h_clean = h[:, :t], h[:, t:]
+    lm = model.transformer.lm_head
+
+    # masked-token CE (steered rows under their injection: the steering signal's own CE)
+    logits_m = lm(h_noisy[masked]).float()
+    mdm = F.cross_entropy(logits_m, tokens[masked])
+
+    # steered rows: raise the mass of the concept's words at their masked positions
+    steer_words = logits_m.new_zeros(())
+    if steering is not None:
+        row_of = torch.arange(b, device=dev)[:, None].expand(b, t)[masked]
+        on = steered[row_of]
+        if bool(on.any()):
+            lp = torch.log_softmax(logits_m[on], dim=-1)                  # (n, V)
+            words = concept_words[concept[row_of[on]]]                    # (n, W)
+            wmask = concept_word_mask[concept[row_of[on]]]
+            got = lp.gather(1, words).masked_fill(~wmask, float("-inf"))
+            steer_words = -torch.logsumexp(got, dim=-1).mean()
+
+    # known head (dense over the known concepts)
+    w_pred = model.known_head.concept_predictor.weight[: cfg.n_known]
+    kl_noisy = (h_noisy @ w_pred.t()).float().clamp(-LOGIT_CLAMP, LOGIT_CLAMP)
+    kl_clean = (h_clean @ w_pred.t()).float().clamp(-LOGIT_CLAMP, LOGIT_CLAMP)
+    known = 0.5 * (pooled_chunk_bce(kl_noisy, batch.chunk_labels, block)
+                   + pooled_chunk_bce(kl_clean, batch.chunk_labels, block))
+    known_tok = 0.5 * (token_bce(kl_noisy, batch.token_labels) + token_bce(kl_clean, batch.token_labels))
+
+    # discovered head: reconstruct the residual of the known head (top-k as served) at the noisy half
+    rows = h_noisy.reshape(b * t, -1)
+    sample = torch.randperm(rows.shape[0], generator=generator, device=dev)[: min(rows.shape[0], 4096)]
+    hr = rows[sample]
+    k_idx, k_logits = model.known_head.topk_of(hr, None)
+    known_feat = model.known_head.features(k_idx, k_logits).detach()
+    d_idx, d_logits = model.unknown_head.topk_of(hr, None)
+    disc_feat = model.unknown_head.features(d_idx, d_logits)
+    target_r = (hr.float() - known_feat.float()).detach()
+    disc = F.mse_loss(disc_feat.float(), target_r) / target_r.pow(2).mean().clamp_min(1e-12)
+    indep = cross_covariance(disc_feat, known_feat)
+
+    total = (weights.mdm * mdm + weights.known * known + weights.known_token * known_tok
+             + weights.disc * disc + weights.independence * indep + weights.steer_words * steer_words)
+    parts = {k: float(v.detach()) for k, v in (("mdm", mdm), ("known", known), ("known_tok", known_tok), ("disc", disc),
+                                                 ("indep", indep), ("steer_words", steer_words))}
+    parts["steered_rows"] = int(steered.sum())
+    return LossParts(total, parts)

@@ -1,0 +1,233 @@
+"""Train steerling-small: the Steerling architecture at small size, on the training corpus.
+
+    python -m train.train_steerling --out OUT/steerling-small --time-budget-s 540     # one H200
+    python -m train.train_steerling --out /tmp/s --device cpu --tiny                  # smoke test
+
+Time-bounded: the learning-rate schedule runs on the wall clock (warm-up, then cosine to 10 %
+over the budget), so a run ends on time on any machine and its last step is the schedule's
+end. Progress and losses are logged every few seconds (flushed). The bundle written to --out is
+what the serving path loads: config.json, model.safetensors (bf16), tokenizer.json,
+concept_labels.parquet, plus training_log.json. `--resume DIR` starts from a bundle's weights
+(fresh optimizer, short warm-up): the second of two 10-minute commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cde.steerling.config import SteerlingConfig
+from cde.steerling.loading import load_model, save_model
+from cde.steerling.model import SteerlingModel
+from train import steerling_data
+from train.steerling_objective import Batch, LossWeights, noisy_clean_mask, training_loss
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Model and batch sizes. SMALL fits the 28 MB bundle in bf16 (~12.6M parameters)."""
+
+    n_layers: int
+    n_embd: int
+    n_head: int
+    n_kv_heads: int
+    n_discovered: int
+    factorize_rank: int
+    topk_known: int
+    topk_discovered: int
+    seq_len: int
+    batch_size: int
+    lr: float
+
+
+SMALL = Shape(n_layers=6, n_embd=320, n_head=5, n_kv_heads=1, n_discovered=2048, factorize_rank=32,
+              topk_known=16, topk_discovered=32, seq_len=512, batch_size=64, lr=2e-3)
+TINY = Shape(n_layers=2, n_embd=64, n_head=2, n_kv_heads=1, n_discovered=64, factorize_rank=8,
+             topk_known=4, topk_discovered=8, seq_len=128, batch_size=4, lr=3e-3)
+
+
+def model_config(shape: Shape, data: steerling_data.SteerlingData) -> SteerlingConfig:
+    ids = data.special_ids
+    return SteerlingConfig(
+        n_layers=shape.n_layers, n_embd=shape.n_embd, n_head=shape.n_head, n_kv_heads=shape.n_kv_heads,
+        vocab_size=((data.vocab_size + 63) // 64) * 64, block_size=1024,
+        n_known=data.n_known, n_discovered=shape.n_discovered, factorize_rank=shape.factorize_rank,
+        topk_known=shape.topk_known, topk_discovered=shape.topk_discovered, concept_chunk=4096,
+        eos_id=ids["eos"], pad_id=ids["pad"], bos_id=ids["bos"], endofchunk_id=ids["endofchunk"],
+        mask_id=ids["mask"], eot_id=ids["eot"], instruct=True, tokenizer=data.tokenizer_config,
+    )
+
+
+def lr_at(progress: float, peak: float, warmup: float) -> float:
+    """Linear warm-up over the first `warmup` share of the budget, then cosine to 10 % of peak."""
+    if progress < warmup:
+        return peak * max(progress / warmup, 0.01)
+    x = min((progress - warmup) / max(1.0 - warmup, 1e-9), 1.0)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * x)))
+
+
+def param_groups(model: SteerlingModel, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.ndim >= 2 and "norm" not in name and ".ln_" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def to_batch(raw: steerling_data.RawBatch, device: torch.device) -> Batch:
+    return Batch(torch.from_numpy(raw.tokens.astype(np.int64)).to(device),
+                 torch.from_numpy(raw.chunk_labels.astype(np.float32)).to(device),
+                 torch.from_numpy(raw.token_labels.astype(np.int64)).to(device),
+                 torch.from_numpy(raw.steer_concept.astype(np.int64)).to(device))
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def train(args: argparse.Namespace) -> Path:
+    device = torch.device(args.device)
+    shape = TINY if args.tiny else SMALL
+    if args.batch_size:
+        shape = Shape(**{**asdict(shape), "batch_size": args.batch_size})
+    torch.manual_seed(args.seed)
+    started = time.monotonic()
+    data = steerling_data.open_data(args.data, tiny=args.tiny, seed=args.seed, log=log,
+                                    time_budget_s=args.data_budget_s)
+    log(f"data ready in {time.monotonic() - started:.1f}s: {data.describe()}")
+    cfg = model_config(shape, data)
+    if args.resume:
+        model = load_model(args.resume, dtype=torch.float32, device=device).train()
+        if model.cfg != cfg:
+            raise SystemExit(f"--resume {args.resume}: its config differs from this run's")
+    else:
+        model = SteerlingModel(cfg).init_random(args.seed, std=0.02).to(device)
+    log(f"model: {model.num_parameters() / 1e6:.2f}M parameters, {cfg.n_known} known / {cfg.n_discovered} "
+        f"discovered concepts, device {device}")
+    if args.compile:
+        from cde.steerling.kernels import compiled
+        model.use_kernels(compiled())
+
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=shape.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=device.type == "cuda")
+    words, word_mask = data.concept_word_table()
+    words, word_mask = torch.from_numpy(words).to(device), torch.from_numpy(word_mask).to(device)
+    attend_mask = noisy_clean_mask(shape.seq_len, cfg.diff_block_size, device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    weights = LossWeights()
+    budget = args.time_budget_s - (time.monotonic() - started) - args.reserve_s
+    if budget <= 0:
+        raise SystemExit("no time left to train after loading the data")
+    warmup = 0.02 if args.resume else 0.05
+    t0 = time.monotonic()
+    history: list[dict] = []
+    step, last_log, tokens_seen = 0, t0, 0
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
+        "cpu", enabled=False)
+    while True:
+        elapsed = time.monotonic() - t0
+        progress = elapsed / budget
+        if progress >= 1.0 or (args.max_steps and step >= args.max_steps):
+            break
+        lr = lr_at(progress, shape.lr, warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = to_batch(data.batch("train", shape.batch_size, shape.seq_len, rng), device)
+        with autocast:
+            out = training_loss(model, batch, gen, weights, words, word_mask, attend_mask)
+        opt.zero_grad(set_to_none=True)
+        out.total.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        opt.step()
+        step += 1
+        tokens_seen += batch.tokens.numel()
+        now = time.monotonic()
+        if now - last_log >= args.log_every_s or step == 1:
+            last_log = now
+            row = {"step": step, "elapsed_s": round(now - t0, 1), "lr": lr, "loss": float(out.total.detach()),
+                   "grad_norm": grad_norm, "tokens": tokens_seen, **out.parts}
+            history.append(row)
+            log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    train_s = time.monotonic() - t0
+    log(f"trained {step} steps, {tokens_seen / 1e6:.1f}M tokens in {train_s:.0f}s "
+        f"({tokens_seen / max(train_s, 1e-9) / 1e6:.2f}M tok/s)")
+
+    held = evaluate_masked_loss(model, data, shape, weights, words, word_mask, attend_mask, device, args.seed)
+    log(f"held-out masked-token loss {held:.4f}")
+    out_dir = Path(args.out)
+    write_bundle(model, data, out_dir, {
+        "steps": step, "tokens": tokens_seen, "train_seconds": round(train_s, 1), "shape": asdict(shape),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "seed": args.seed,
+        "heldout_masked_loss": held, "history": history, "resumed_from": args.resume,
+        "command": " ".join(["python -m train.train_steerling"] + sys.argv[1:])})
+    log(f"bundle written to {out_dir} ({sum(f.stat().st_size for f in out_dir.iterdir()) / 1e6:.1f} MB) "
+        f"in {time.monotonic() - started:.0f}s total")
+    return out_dir
+
+
+@torch.no_grad()
+def evaluate_masked_loss(model, data, shape: Shape, weights: LossWeights, words, word_mask, attend_mask,
+                         device, seed: int, batches: int = 8) -> float:
+    """Mean masked-token CE on held-out text (no steering), same noise law as training."""
+    model.eval()
+    rng = np.random.default_rng(seed + 1)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    no_steer = LossWeights(**{**asdict(weights), "steer_share": 0.0})
+    total = 0.0
+    for _ in range(batches):
+        batch = to_batch(data.batch("heldout", shape.batch_size, shape.seq_len, rng), device)
+        with (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+              else torch.autocast("cpu", enabled=False)):
+            total += training_loss(model, batch, gen, no_steer, words, word_mask, attend_mask).parts["mdm"]
+    model.train()
+    return total / batches
+
+
+SHARD_BYTES = 14 * 2**20   # each returned file of a GPU command is at most 16 MiB
+
+
+def write_bundle(model: SteerlingModel, data, out_dir: Path, log_record: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bf16 = SteerlingModel(model.cfg)
+    bf16.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    bf16 = bf16.to(torch.bfloat16)
+    save_model(bf16, out_dir, max_shard_bytes=SHARD_BYTES)
+    data.write_model_files(out_dir)        # tokenizer.json, concept_labels.parquet
+    (out_dir / "training_log.json").write_text(json.dumps(log_record, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="bundle directory to write")
+    ap.add_argument("--data", default=None, help="corpus directory: used when it holds shards, else built there "
+                    "(default: a temporary directory)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes and data: a CPU smoke test")
+    ap.add_argument("--time-budget-s", type=float, default=540.0, help="wall clock for the whole command")
+    ap.add_argument("--data-budget-s", type=float, default=90.0, help="at most this much of it for data")
+    ap.add_argument("--reserve-s", type=float, default=25.0, help="kept for evaluation and writing")
+    ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: by time)")
+    ap.add_argument("--batch-size", type=int, default=0)
+    ap.add_argument("--log-every-s", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--compile", action="store_true", help="regionally compile the layers' pointwise parts")
+    ap.add_argument("--resume", default=None, help="start from this bundle's weights")
+    args = ap.parse_args(argv)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
