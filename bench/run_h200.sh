@@ -60,7 +60,7 @@ case "$stage" in
     # training log and the eval JSON (tokenizer.json / concept_labels.parquet come from train/artifacts).
     data=/tmp/steerling-data
     python3 -u -m train.train_steerling --out "$OUT/steerling-small" --data "$data" \
-      --time-budget-s "${TRAIN_BUDGET_S:-420}" 2>&1 | grep -v Warning | tee "$OUT/train-steerling-small-$short.log"
+      --time-budget-s "${TRAIN_BUDGET_S:-420}" --data-budget-s 60 2>&1 | grep -v Warning | tee "$OUT/train-steerling-small-$short.log"
     python3 -u -m train.eval_steerling --model-dir "$OUT/steerling-small" --data "$data" \
       --out "$OUT/eval-steerling-small-h200-$short.json" 2>&1 | grep -v Warning | tee -a "$OUT/train-steerling-small-$short.log"
     rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet" ;;

@@ -50,7 +50,7 @@ class StandInData:
         self.vocab_size, self.n_known = vocab_size, n_known
         base = vocab_size - 8
         self.special_ids = {"eos": base, "pad": base + 1, "bos": base + 2, "endofchunk": base + 3,
-                            "mask": base + 4, "eot": base + 7}
+                            "mask": base + 4, "start_header": base + 5, "end_header": base + 6, "eot": base + 7}
         self.tokenizer_config = {"kind": "byte"}
         self._words = np.random.default_rng(seed).integers(0, base, size=(n_known, 4))
 

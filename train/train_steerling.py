@@ -64,7 +64,8 @@ def model_config(shape: Shape, data: steerling_data.SteerlingData) -> SteerlingC
         n_known=data.n_known, n_discovered=shape.n_discovered, factorize_rank=shape.factorize_rank,
         topk_known=shape.topk_known, topk_discovered=shape.topk_discovered, concept_chunk=4096,
         eos_id=ids["eos"], pad_id=ids["pad"], bos_id=ids["bos"], endofchunk_id=ids["endofchunk"],
-        mask_id=ids["mask"], eot_id=ids["eot"], instruct=True, tokenizer=data.tokenizer_config,
+        mask_id=ids["mask"], eot_id=ids["eot"], start_header_id=ids["start_header"],
+        end_header_id=ids["end_header"], instruct=True, tokenizer=data.tokenizer_config,
     )
 
 
