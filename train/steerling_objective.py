@@ -48,6 +48,7 @@ from cde.steerling.model import SteeringInputs, SteerlingModel
 from cde.steerling.steering import AMPLIFY_TARGET, AMPLIFY_INJECT_LAYER
 
 T_MIN = 0.05          # lowest per-block mask rate (a block with no mask teaches nothing)
+ALPHA_CAP = 200.0     # training-time cap on the steering strength (see steering_for_rows)
 STEER_T_MIN = 0.7     # steered rows are mostly masked: the concept must come from the injection
 
 
@@ -124,7 +125,7 @@ def cross_covariance(a: Tensor, b: Tensor) -> Tensor:
     """Mean squared cross-correlation between the columns of a and b (rows are samples), in [0, 1]."""
     def standardize(x: Tensor) -> Tensor:
         x = x.float() - x.float().mean(0)
-        return x / (x.pow(2).mean(0).sqrt() + 1e-4)
+        return x * torch.rsqrt(x.pow(2).mean(0) + 1e-6)   # rsqrt of var + eps: finite gradient at var 0
     corr = standardize(a).t() @ standardize(b) / a.shape[0]
     return corr.pow(2).mean()
 
@@ -137,7 +138,8 @@ def steering_for_rows(model: SteerlingModel, concept: Tensor, inject_layer: int,
     vec = emb[ids].float()
     direction = vec / (vec.norm(dim=-1, keepdim=True) + 1e-12)
     peak = (direction.detach() @ lm.detach().float().t()).amax(-1).clamp_min(1e-6)
-    alpha = torch.where(concept >= 0, target / peak, torch.zeros_like(peak))
+    # serving's alpha, capped while training: early directions can align with no token at all
+    alpha = torch.where(concept >= 0, (target / peak).clamp_max(ALPHA_CAP), torch.zeros_like(peak))
     return direction, alpha.detach()
 
 

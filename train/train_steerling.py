@@ -51,7 +51,7 @@ class Shape:
 
 
 SMALL = Shape(n_layers=6, n_embd=320, n_head=5, n_kv_heads=1, n_discovered=2048, factorize_rank=32,
-              topk_known=16, topk_discovered=32, seq_len=512, batch_size=64, lr=2e-3)
+              topk_known=16, topk_discovered=32, seq_len=512, batch_size=64, lr=1.2e-3)
 TINY = Shape(n_layers=2, n_embd=64, n_head=2, n_kv_heads=1, n_discovered=64, factorize_rank=8,
              topk_known=4, topk_discovered=8, seq_len=128, batch_size=4, lr=3e-3)
 
@@ -132,7 +132,7 @@ def train(args: argparse.Namespace) -> Path:
     warmup = 0.02 if args.resume else 0.05
     t0 = time.monotonic()
     history: list[dict] = []
-    step, last_log, tokens_seen = 0, t0, 0
+    step, last_log, tokens_seen, skipped = 0, t0, 0, 0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
         "cpu", enabled=False)
     while True:
@@ -149,13 +149,20 @@ def train(args: argparse.Namespace) -> Path:
         opt.zero_grad(set_to_none=True)
         out.total.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        if not math.isfinite(grad_norm):
+            # an inf gradient would turn into NaN weights through the clipping: drop the step
+            opt.zero_grad(set_to_none=True)
+            skipped += 1
+            if skipped > 200:
+                raise SystemExit(f"{skipped} steps with non-finite gradients; last losses {out.parts}")
+            continue
         opt.step()
         step += 1
         tokens_seen += batch.tokens.numel()
         now = time.monotonic()
         if now - last_log >= args.log_every_s or step == 1:
             last_log = now
-            row = {"step": step, "elapsed_s": round(now - t0, 1), "lr": lr, "loss": float(out.total.detach()),
+            row = {"skipped": skipped, "step": step, "elapsed_s": round(now - t0, 1), "lr": lr, "loss": float(out.total.detach()),
                    "grad_norm": grad_norm, "tokens": tokens_seen, **out.parts}
             history.append(row)
             log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
@@ -169,7 +176,7 @@ def train(args: argparse.Namespace) -> Path:
     write_bundle(model, data, out_dir, {
         "steps": step, "tokens": tokens_seen, "train_seconds": round(train_s, 1), "shape": asdict(shape),
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "seed": args.seed,
-        "heldout_masked_loss": held, "history": history, "resumed_from": args.resume,
+        "heldout_masked_loss": held, "skipped_steps": skipped, "history": history, "resumed_from": args.resume,
         "command": " ".join(["python -m train.train_steerling"] + sys.argv[1:])})
     log(f"bundle written to {out_dir} ({sum(f.stat().st_size for f in out_dir.iterdir()) / 1e6:.1f} MB) "
         f"in {time.monotonic() - started:.0f}s total")
