@@ -46,6 +46,7 @@ class Labeler:
         self.lex = lexicon
         self.tok = Tokenizer.from_file(str(tokenizer_file))
         self.tok.encode_special_tokens = True  # text never becomes a special id
+        self._stop = frozenset(lexicon.stop)
         self._story = frozenset(lexicon.story_ids)
         self._story_arr = np.asarray(sorted(self._story), np.int64)
         # word -> row of a concept table (row 0: no concepts), so a text's words are looked up
@@ -68,7 +69,7 @@ class Labeler:
         out += [b for b in self.lex.exceptions.get(word, ()) if b in words and b not in out]
         best, best_suf = None, ""
         for suf, rep in _RULES:
-            if word.endswith(suf) and len(word) > len(suf) + 1:
+            if word.endswith(suf) and len(word) >= len(suf) + 3:
                 b = word[: -len(suf)] + rep
                 # short stems from long suffixes are mostly wrong ("being" -> "bee")
                 if b in words and (suf not in ("ing", "ed", "er", "est") or len(b) >= 4) and (
@@ -92,7 +93,10 @@ class Labeler:
         r = self._rows.get(word)
         if r is not None:
             return r
-        concepts = self.word_concepts(word)[:TOKEN_K]
+        if (word in self._stop or len(word) < 3) and word not in self.lex.words:
+            concepts: tuple[int, ...] = ()  # function words and fragments ("was" is not "WA")
+        else:
+            concepts = self.word_concepts(word)[:TOKEN_K]
         v = self.lex.valence.get(word, 0.0)
         if not concepts and not v:
             r = 0
