@@ -66,6 +66,9 @@ class Lexicon:
     words: dict[str, list[int]]
     exceptions: dict[str, list[str]]  # surface form -> base forms (WordNet *.exc + the generator's)
     freq: dict[str, int]              # WordNet tagged-sense count: picks among suffix-rule candidates
+    noun_forms: dict[str, list[str]]  # plural -> singular (noun.exc + the generator's plurals)
+    verbal_story_ids: list[int]       # story concepts that verb/adjective forms may express (actions,
+                                      # emotions, morals); "born" is not the animal "bear"
     valence: dict[str, float]
     tone_ids: dict[str, int]
     dialogue_id: int
@@ -400,7 +403,17 @@ def build(roots: dict[str, Path]) -> tuple[list[CatalogEntry], Lexicon]:
 
     words = {w: ids for w, ids in word_ids.items() if ids}
     exceptions = {k: [b for b in v if b in words] for k, v in _exceptions(wn).items()}
+    noun_exc: dict[str, list[str]] = defaultdict(list)
+    for line in (wn / "noun.exc").read_text(encoding="latin-1").splitlines():
+        f = line.split()
+        if len(f) >= 2 and "_" not in f[0]:
+            noun_exc[f[0]] += [b for b in f[1:] if b in words]
+    for surface, base in IRREGULAR.items():
+        if base in words and any(w == base for c in ALL_STORY_CONCEPTS if c.group != "action" for w in c.words):
+            noun_exc[surface].insert(0, base)
+    verbal = [i for i, c in zip(story_ids, ALL_STORY_CONCEPTS) if c.group in ("action", "emotion", "moral")]
     lex = Lexicon(words=words, exceptions={k: v for k, v in exceptions.items() if v},
+                  noun_forms={k: v for k, v in noun_exc.items() if v}, verbal_story_ids=verbal,
                   freq={w: tagged.get(w, 0) for w in words},
                   valence=valence, tone_ids=tone_ids, dialogue_id=dialogue_id, story_ids=story_ids,
                   n_concepts=len(entries))
