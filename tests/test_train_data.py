@@ -92,12 +92,14 @@ POSITIVE = [
     ("A rainbow appeared, and the girl felt happy.", {"rainbow", "girl", "joy"}),
     ("Wolves howled on the mountain during the blizzard.", {"wolf", "mountain", "snow"}),
     ("He was grateful for the warm bread and honey.", {"gratitude", "bread", "honey"}),
+    ("He was born in a small city.", {"city"}),  # "born" is a form of the verb bear, not the animal
 ]
 NEGATIVE = [
     "What kind of day is it?",              # "kind of" is not kindness
     "The committee adjourned the meeting.",  # no story concept at all
     "She rose early and was being careful.",  # "rose" was dropped from the garden; "being" is not "bee"
     "The report lists the quarterly figures.",
+    "The memory-mapped devices were bearing the load.",  # verb forms of noun concepts (map, bear)
 ]
 
 

@@ -39,7 +39,9 @@ other our ours ourselves out over own same she should so some such than that the
 there these they this those through to too under until up very was we were what when where which while who whom why
 will with would you your yours yourself yourselves shall may might must ye thee thou thy thine unto upon also one two
 said say says go went come came make made get got let like well much many even every thing things way ever never
-yet still again away back upon us lord man men day time
+yet still again away back upon us lord man men day time till already neither either whereby hereby thereby
+albeit indeed thus hence whence wherefore therefore though although unless whether whose hath doth art wast shalt
+wilt hast thereof whereof herein therein ah oh o yes nay aye also mr mrs miss sir
 """.split())
 
 
@@ -64,12 +66,16 @@ class Lexicon:
     words: dict[str, list[int]]
     exceptions: dict[str, list[str]]  # surface form -> base forms (WordNet *.exc + the generator's)
     freq: dict[str, int]              # WordNet tagged-sense count: picks among suffix-rule candidates
+    noun_forms: dict[str, list[str]]  # plural -> singular (noun.exc + the generator's plurals)
+    verbal_story_ids: list[int]       # story concepts that verb/adjective forms may express (actions,
+                                      # emotions, morals); "born" is not the animal "bear"
     valence: dict[str, float]
     tone_ids: dict[str, int]
     dialogue_id: int
     story_ids: list[int]
     n_concepts: int
     not_before: dict[str, list[str]] = field(default_factory=lambda: {"kind": ["of"]})  # "kind of" is not kindness
+    stop: list[str] = field(default_factory=lambda: sorted(STOPWORDS))  # never labelled (but story words)
 
     def save(self, path: Path) -> None:
         with gzip.open(path, "wt", encoding="utf-8", compresslevel=9) as f:
@@ -173,7 +179,8 @@ def _empath(root: Path) -> dict[str, list[str]]:
     return cats
 
 
-_ROGET_HEAD = re.compile(r"^(\d+[a-z]?)\. ([A-Z][^\n]*?) -- ", re.M)
+_ROGET_HEAD = re.compile(r"^[ \t]*(\d+[a-z]?)\. (?:\[[^\]\n]*\][ \t]*)?([A-Z][^\n]*?) -- ", re.M)
+_ROGET_MAX_BODY = 6000  # characters of a heading's entry read (guards against a missed next heading)
 _ROGET_SECTION = re.compile(r"^SECTION ([IVXL]+)\.\s*\n\s*([A-Z][A-Z ,'&;-]+)$", re.M)
 
 
@@ -187,7 +194,7 @@ def _roget(root: Path) -> list[tuple[str, str, str, list[str]]]:
     out = []
     for i, m in enumerate(heads):
         end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
-        body = text[m.end():end]
+        body = text[m.end():min(end, m.end() + _ROGET_MAX_BODY)]
         body = re.sub(r"\[.*?\]|\(.*?\)|&c\.?|\b\d+\b|\b(N|V|Adj|Adv|Phr|Int)\.", " ", body, flags=re.S)
         words = []
         for piece in re.split(r"[,;.:\n]", body):
@@ -323,7 +330,10 @@ def build(roots: dict[str, Path]) -> tuple[list[CatalogEntry], Lexicon]:
         chosen.append(o)
 
     lex_ids = {}
+    # adjective / adverb files (adj.all, adv.all, ...) say only the part of speech: left out
     for num, (name, contents) in sorted(lexnames.items()):
+        if not name.startswith(("noun.", "verb.")):
+            continue
         lex_ids[num] = add(name=f"{name} (WordNet)", description=f"WordNet lexicographer file {name}: {contents}",
                            group=f"wordnet {name.split('.')[0]}", source="wordnet", key=name, steerable=False).concept_id
     syn_ids = {}
@@ -376,7 +386,8 @@ def build(roots: dict[str, Path]) -> tuple[list[CatalogEntry], Lexicon]:
                 link(w, rog_ids[num])
         if w in first:
             pos, off = first[w]
-            link(w, lex_ids[synsets[pos][off].lexfile])
+            if synsets[pos][off].lexfile in lex_ids:
+                link(w, lex_ids[synsets[pos][off].lexfile])
     # unique names: a repeated synset lemma gets its lexname, anything still repeated its key
     seen = Counter(e.name.lower() for e in entries)
     for e in entries:
@@ -392,7 +403,17 @@ def build(roots: dict[str, Path]) -> tuple[list[CatalogEntry], Lexicon]:
 
     words = {w: ids for w, ids in word_ids.items() if ids}
     exceptions = {k: [b for b in v if b in words] for k, v in _exceptions(wn).items()}
+    noun_exc: dict[str, list[str]] = defaultdict(list)
+    for line in (wn / "noun.exc").read_text(encoding="latin-1").splitlines():
+        f = line.split()
+        if len(f) >= 2 and "_" not in f[0]:
+            noun_exc[f[0]] += [b for b in f[1:] if b in words]
+    for surface, base in IRREGULAR.items():
+        if base in words and any(w == base for c in ALL_STORY_CONCEPTS if c.group != "action" for w in c.words):
+            noun_exc[surface].insert(0, base)
+    verbal = [i for i, c in zip(story_ids, ALL_STORY_CONCEPTS) if c.group in ("action", "emotion", "moral")]
     lex = Lexicon(words=words, exceptions={k: v for k, v in exceptions.items() if v},
+                  noun_forms={k: v for k, v in noun_exc.items() if v}, verbal_story_ids=verbal,
                   freq={w: tagged.get(w, 0) for w in words},
                   valence=valence, tone_ids=tone_ids, dialogue_id=dialogue_id, story_ids=story_ids,
                   n_concepts=len(entries))

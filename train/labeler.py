@@ -29,6 +29,7 @@ _QUOTE = re.compile(r"\"[^\"\n]{1,600}\"|\u201c[^\u201d\n]{1,600}\u201d")
 _RULES = (("ses", "s"), ("xes", "x"), ("zes", "z"), ("ches", "ch"), ("shes", "sh"), ("men", "man"), ("ies", "y"),
           ("s", ""), ("es", "e"), ("es", ""), ("ed", "e"), ("ed", ""), ("ing", "e"), ("ing", ""),
           ("er", ""), ("est", ""), ("er", "e"), ("est", "e"))
+_PLURAL_SUFFIXES = frozenset(("s", "es", "ses", "xes", "zes", "ches", "shes", "ies", "men"))
 _CACHE_LIMIT = 2_000_000  # distinct word forms remembered (bounded memory)
 
 
@@ -46,6 +47,8 @@ class Labeler:
         self.lex = lexicon
         self.tok = Tokenizer.from_file(str(tokenizer_file))
         self.tok.encode_special_tokens = True  # text never becomes a special id
+        self._stop = frozenset(lexicon.stop)
+        self._verbal = frozenset(lexicon.verbal_story_ids)
         self._story = frozenset(lexicon.story_ids)
         self._story_arr = np.asarray(sorted(self._story), np.int64)
         # word -> row of a concept table (row 0: no concepts), so a text's words are looked up
@@ -58,32 +61,39 @@ class Labeler:
         self._tone_set = frozenset(lexicon.tone_ids.values())
 
     # ---- words
-    def base_forms(self, word: str) -> list[str]:
-        """Lexicon entries `word` (lower case) is, or is an inflection of: the word itself,
-        its WordNet exception-list bases, and the most frequent suffix-rule candidate (only
-        when nothing else matched, or when that candidate is a story word: "singing" is a
-        WordNet noun and also a form of the story's "sing")."""
+    def base_forms(self, word: str) -> list[tuple[str, bool]]:
+        """(lexicon entry, is it a noun form) pairs that `word` (lower case) is, or is an
+        inflection of: the word itself, its WordNet exception-list bases, and the most frequent
+        suffix-rule candidate (only when nothing else matched, or when that candidate is a
+        story word: "singing" is a WordNet noun and also a form of the story's "sing")."""
         words = self.lex.words
-        out = [word] if word in words else []
-        out += [b for b in self.lex.exceptions.get(word, ()) if b in words and b not in out]
+        out: list[tuple[str, bool]] = [(word, True)] if word in words else []
+        for b in self.lex.noun_forms.get(word, ()):
+            if b in words and b not in (x for x, _ in out):
+                out.append((b, True))
+        for b in self.lex.exceptions.get(word, ()):
+            if b in words and b not in (x for x, _ in out):
+                out.append((b, False))
         best, best_suf = None, ""
         for suf, rep in _RULES:
-            if word.endswith(suf) and len(word) > len(suf) + 1:
+            if word.endswith(suf) and len(word) >= len(suf) + 3:
                 b = word[: -len(suf)] + rep
                 # short stems from long suffixes are mostly wrong ("being" -> "bee")
                 if b in words and (suf not in ("ing", "ed", "er", "est") or len(b) >= 4) and (
                         best is None or self.lex.freq.get(b, 0) > self.lex.freq.get(best, 0)):
                     best, best_suf = b, suf
-        if best is not None and best not in out and (
+        if best is not None and best not in (x for x, _ in out) and (
                 not out or (best_suf not in ("er", "est") and self._story & set(words[best]))):
-            out.append(best)
+            out.append((best, best_suf in _PLURAL_SUFFIXES))
         return out
 
     def word_concepts(self, word: str) -> tuple[int, ...]:
-        """Concept ids of a word, story concepts first, then the lexicon's priority order."""
+        """Concept ids of a word, story concepts first, then the lexicon's priority order. A
+        story noun concept needs the word itself or a plural ("born" is not "bear")."""
         ids: list[int] = []
-        for b in self.base_forms(word.lower()):
-            ids += [i for i in self.lex.words[b] if i not in ids]
+        for b, noun_form in self.base_forms(word.lower()):
+            ids += [i for i in self.lex.words[b] if i not in ids and (
+                noun_form or i not in self._story or i in self._verbal)]
         ids.sort(key=lambda i: 0 if i in self._story else 1)  # stable: keeps the rest in order
         return tuple(ids)
 
@@ -92,7 +102,10 @@ class Labeler:
         r = self._rows.get(word)
         if r is not None:
             return r
-        concepts = self.word_concepts(word)[:TOKEN_K]
+        if (word in self._stop or len(word) < 3) and word not in self.lex.words:
+            concepts: tuple[int, ...] = ()  # function words and fragments ("was" is not "WA")
+        else:
+            concepts = self.word_concepts(word)[:TOKEN_K]
         v = self.lex.valence.get(word, 0.0)
         if not concepts and not v:
             r = 0
