@@ -10,6 +10,7 @@
 #   bash bench/run_h200.sh isd-sampled # the same at C=1, 64 with sampled requests (T = 1: draws, verify kernel)
 #   bash bench/run_h200.sh isd-ablation # I-DLM-8B at C=1, 32 without overlapped steps (what overlap saves)
 #   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
+#   bash bench/run_h200.sh train-all       # both bundled models (idlm-small beside steerling-small + its eval)
 #   bash bench/run_h200.sh anchor      # the public reference (bench/anchor_steerling_ref.py)
 #
 # `anchor` needs the public `steerling` 0.2.0 package: installed, or its wheel and pydantic's
@@ -64,6 +65,23 @@ case "$stage" in
     python3 -u -m train.eval_steerling --model-dir "$OUT/steerling-small" --data "$data" \
       --out "$OUT/eval-steerling-small-h200-$short.json" 2>&1 | grep -v Warning | tee -a "$OUT/train-steerling-small-$short.log"
     rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet" ;;
+  train-all)
+    # Both bundled models in one command of < 10 minutes on one GPU: idlm-small in the background
+    # (train.train_idlm, its own time budget) beside steerling-small's training + evaluation (the two
+    # small models leave the GPU mostly idle alone). The bundles come back as one tar split into
+    # 15 MiB parts (at most 8 files of 16 MiB return): cat $OUT/bundles.tar.part-* | tar x
+    data=/tmp/steerling-data
+    python3 -u -m train.train_idlm --out "$OUT/idlm-small" --time-budget-s "${IDLM_BUDGET_S:-520}" \
+      > "$OUT/train-idlm-small-$short.log" 2>&1 &
+    idlm=$!
+    python3 -u -m train.train_steerling --out "$OUT/steerling-small" --data "$data" \
+      --time-budget-s "${TRAIN_BUDGET_S:-400}" --data-budget-s 45 2>&1 | grep -v Warning > "$OUT/train-steerling-small-$short.log" || true
+    python3 -u -m train.eval_steerling --model-dir "$OUT/steerling-small" --data "$data" \
+      --out "$OUT/eval-steerling-small-h200-$short.json" 2>&1 | grep -v Warning >> "$OUT/train-steerling-small-$short.log" || true
+    wait "$idlm" || echo "train_idlm exited with $?" >> "$OUT/train-idlm-small-$short.log"
+    rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet"
+    (cd "$OUT" && tar cf - steerling-small idlm-small | split -b 15M - bundles.tar.part- && rm -rf steerling-small idlm-small)
+    tail -5 "$OUT/train-steerling-small-$short.log" "$OUT/train-idlm-small-$short.log"; ls -la "$OUT" ;;
   anchor)
     python3 bench/anchor_steerling_ref.py 2>&1 | tee "$OUT/anchor-steerling-ref-h200-$short.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
