@@ -61,9 +61,9 @@ case "$stage" in
     # training log and the eval JSON (tokenizer.json / concept_labels.parquet come from train/artifacts).
     data=/tmp/steerling-data
     python3 -u -m train.train_steerling --out "$OUT/steerling-small" --data "$data" \
-      --time-budget-s "${TRAIN_BUDGET_S:-420}" --data-budget-s 60 2>&1 | grep -v Warning | tee "$OUT/train-steerling-small-$short.log"
+      --time-budget-s "${TRAIN_BUDGET_S:-420}" --data-budget-s 60 2>&1 | grep -v Warning > "$OUT/train-steerling-small-$short.log"
     python3 -u -m train.eval_steerling --model-dir "$OUT/steerling-small" --data "$data" \
-      --out "$OUT/eval-steerling-small-h200-$short.json" 2>&1 | grep -v Warning | tee -a "$OUT/train-steerling-small-$short.log"
+      --out "$OUT/eval-steerling-small-h200-$short.json" 2>&1 | grep -v Warning | tee -a "$OUT/train-steerling-small-$short.log" || true
     rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet" ;;
   train-all)
     # Both bundled models in one command of < 10 minutes on one GPU: idlm-small in the background
@@ -81,7 +81,7 @@ case "$stage" in
     wait "$idlm" || echo "train_idlm exited with $?" >> "$OUT/train-idlm-small-$short.log"
     rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet"
     (cd "$OUT" && tar cf - steerling-small idlm-small | split -b 15M - bundles.tar.part- && rm -rf steerling-small idlm-small)
-    tail -5 "$OUT/train-steerling-small-$short.log" "$OUT/train-idlm-small-$short.log"; ls -la "$OUT" ;;
+    tail -n 5 "$OUT/train-steerling-small-$short.log" "$OUT/train-idlm-small-$short.log"; ls -la "$OUT" ;;
   anchor)
     python3 bench/anchor_steerling_ref.py 2>&1 | tee "$OUT/anchor-steerling-ref-h200-$short.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

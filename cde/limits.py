@@ -76,6 +76,9 @@ DEFAULT_CUTOFF = 32
 AMPLIFY_INJECT_LAYER = 8        # the preset's layer, meant for 32-layer models
 
 
+REFERENCE_N_LAYERS = 32   # Steerling-8B, whose amplify preset injects from layer 8
+
+
 def inject_layer_bounds(n_layers: int) -> tuple[int, int]:
     """steering.inject_layer: the model adds the direction at block i when i + 1 >= inject_layer,
     so 1 steers every block and n_layers only the last (0 would mean the same as 1; more than
@@ -84,9 +87,13 @@ def inject_layer_bounds(n_layers: int) -> tuple[int, int]:
 
 
 def default_inject_layer(n_layers: int, amplify: bool) -> int:
-    """Amplify: the preset's layer 8 (clamped so small models still steer); suppress: the public
-    package's n_layers // 2 (at least 1)."""
-    return min(AMPLIFY_INJECT_LAYER, n_layers) if amplify else max(1, n_layers // 2)
+    """Amplify: the preset's layer 8 of Steerling-8B's 32, scaled to the model's depth (rounded
+    up, at least 1), so a small model is steered over the same share of its blocks (clamping 8
+    to a 6-layer model steered only its last block, which moves single tokens instead of the
+    text); suppress: the public package's n_layers // 2 (at least 1)."""
+    if amplify:
+        return max(1, -(-n_layers * AMPLIFY_INJECT_LAYER // REFERENCE_N_LAYERS))
+    return max(1, n_layers // 2)
 
 
 # ---- attribution ------------------------------------------------------------------------
@@ -155,7 +162,7 @@ def documented_limits() -> tuple[Limit, ...]:
               f"amplify {_g(AMPLIFY_TARGET)}, suppress {_g(SUPPRESS_TARGET)}",
               "amplify: logit units; suppress: raw alpha"),
         Limit("`steering.inject_layer`", "[1, n_layers]",
-              f"amplify min({AMPLIFY_INJECT_LAYER}, n_layers), suppress max(1, n_layers // 2)",
+              f"amplify ceil({AMPLIFY_INJECT_LAYER} * n_layers / {REFERENCE_N_LAYERS}) ({AMPLIFY_INJECT_LAYER} at {REFERENCE_N_LAYERS} layers), suppress max(1, n_layers // 2)",
               "layer i (from 1) and all after it are steered"),
         Limit("`steering.cutoff`", f"[{CUTOFF_MIN}, {CUTOFF_MAX}] tokens", f"{DEFAULT_CUTOFF}",
               "schedule `hard_cutoff` only"),

@@ -10,7 +10,7 @@ Figures (each on held-out data the trainer never saw):
   macro AUROC over concepts with positives and negatives, and precision@5
   (hits among the top 5 / min(5, labels in the chunk));
 - steering lift: prompts x steerable story concepts at the serving defaults (amplify, target 8,
-  inject layer min(8, n_layers), hard cutoff 32 tokens), default and steered with the same seed
+  inject layer ceil(8 * n_layers / 32), hard cutoff 32 tokens), default and steered with the same seed
   through the serving engine; the share of generations the labeler tags with the concept,
   steered minus default;
 - attribution hit rate: of the generated tokens the labeler ties to concept c, the share whose
@@ -40,7 +40,8 @@ from cde.steerling.loading import load_model
 from cde.steerling.model import dense_block_causal_attend
 from cde.steerling.reference_decoder import DecodeOptions
 from cde.steerling.sampling import SamplingParams
-from cde.steerling.steering import AMPLIFY_INJECT_LAYER, AMPLIFY_TARGET, DEFAULT_CUTOFF, SteeringSpec, prepare
+from cde.limits import default_inject_layer
+from cde.steerling.steering import AMPLIFY_TARGET, DEFAULT_CUTOFF, SteeringSpec, prepare
 from train import steerling_data
 from train.steerling_objective import LossWeights, noisy_clean_mask, training_loss
 from train.train_steerling import to_batch
@@ -134,7 +135,7 @@ def run_engine(model, requests: list[tuple[str, list[int], DecodeOptions, object
 
 def amplify(model, concept_id: int):
     cfg = model.cfg
-    spec = SteeringSpec.amplify((concept_id,), AMPLIFY_TARGET, min(AMPLIFY_INJECT_LAYER, cfg.n_layers), DEFAULT_CUTOFF)
+    spec = SteeringSpec.amplify((concept_id,), AMPLIFY_TARGET, default_inject_layer(cfg.n_layers, True), DEFAULT_CUTOFF)
     emb = model.known_head.embeddings(torch.tensor([concept_id], device=model.rope_cos.device))
     return prepare(spec, emb, model.transformer.lm_head.weight, cfg.n_layers, dtype=emb.dtype)
 
@@ -164,13 +165,17 @@ def steering_lift(model, data, prompts: list[str], concepts: list[int], new_toke
                "steered": {data.concept_name(c): tok.decode(res[f"s0-{c}"]["output"]) for c in concepts[:3]}}
     return {"prompts": len(prompts), "concepts": per, "mean_lift_points": float(np.mean(lifts)),
             "settings": {"mode": "amplify", "target": AMPLIFY_TARGET,
-                         "inject_layer": min(AMPLIFY_INJECT_LAYER, model.cfg.n_layers),
+                         "inject_layer": default_inject_layer(model.cfg.n_layers, True),
                          "schedule": "hard_cutoff", "cutoff_tokens": DEFAULT_CUTOFF, "new_tokens": new_tokens}}, \
         {"res": res, "samples": samples}
 
 
 def attribution_hit_rate(model, data, results: dict) -> dict:
-    known_e, disc_e, lm_rows = model_lookups(model)
+    known_m, disc_m, lm_m = model_lookups(model)
+    dev = model.rope_cos.device         # the engine's records are on the host, the model maybe not
+    known_e = lambda ids: known_m(ids.to(dev)).cpu()   # noqa: E731
+    disc_e = lambda ids: disc_m(ids.to(dev)).cpu()     # noqa: E731
+    lm_rows = lambda ids: lm_m(ids.to(dev)).cpu()      # noqa: E731
     hits = total = 0
     for r in results.values():
         for ev in r["blocks"]:
@@ -215,6 +220,30 @@ class BigramJudge:
             for a, b in zip(s, s[1:]):
                 nll -= math.log((self.bi[(a, b)] + 1) / (self.uni[a] + self.vocab))
                 n += 1
+        return math.exp(nll / max(n, 1))
+
+
+class ARJudge:
+    """Perplexity of generated text under the causal AR base that the idlm training writes (the
+    same tokenizer.json ids for text): each generation scored on its own, first token given."""
+
+    def __init__(self, model_dir: str, device: torch.device):
+        from cde.qwen3.loading import load_qwen3
+
+        self.name = f"AR base of {model_dir} (cde.qwen3, adapters not merged)"
+        self.model = load_qwen3(model_dir, dtype=torch.float32, device=device, merge_adapters=False).eval()
+        self.device = device
+
+    @torch.no_grad()
+    def perplexity(self, seqs: list[list[int]]) -> float:
+        nll = n = 0.0
+        for s in seqs:
+            if len(s) < 2:
+                continue
+            x = torch.tensor([s], device=self.device)
+            logits = self.model(x[:, :-1]).float()
+            nll += float(torch.nn.functional.cross_entropy(logits[0], x[0, 1:], reduction="sum"))
+            n += len(s) - 1
         return math.exp(nll / max(n, 1))
 
 
@@ -277,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concepts", type=int, default=10)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--detect-batches", type=int, default=16)
-    ap.add_argument("--judge-dir", default=None)
+    ap.add_argument("--judge-dir", default="models/idlm-small",
+                    help="causal model whose AR base judges perplexity (a held-out bigram model when absent)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
@@ -316,12 +346,24 @@ def main(argv: list[str] | None = None) -> None:
     result["steering_lift"] = lift
     result["samples"] = gens["samples"]
     log(f"steering lift: mean {lift['mean_lift_points']:.1f} points")
+    save()
     result["attribution"] = attribution_hit_rate(model, data, gens["res"])
     log(f"attribution: {result['attribution']}")
     save()
-    judge = BigramJudge(raw.tokens, data.tokenizer_vocab)
+    if args.judge_dir and Path(args.judge_dir, "config.json").exists():
+        judge = ARJudge(args.judge_dir, device)
+    else:
+        judge = BigramJudge(np.concatenate([data.batch("heldout", 64, seq, rng).tokens for _ in range(8)]),
+                            data.tokenizer_vocab)
     result["judge"] = judge.name
+    default_outs = [r["output"] for k, r in gens["res"].items() if k.startswith("d")]
+    steered_outs = [r["output"] for k, r in gens["res"].items() if k.startswith("s")]
+    result["steering_lift"]["perplexity"] = {"judge": judge.name, "default": judge.perplexity(default_outs),
+                                             "steered": judge.perplexity(steered_outs)}
+    log(f"perplexity: {result['steering_lift']['perplexity']}")
+    save()
     result["multi_token"] = multi_token(model, data, prompts[: min(len(prompts), 32)], judge, args.new_tokens, args.seed)
+    save()
     result["package_parity"] = package_parity(model, torch.from_numpy(raw.tokens.astype(np.int64)))
     result["eval_seconds"] = round(time.monotonic() - t0, 1)
     save()

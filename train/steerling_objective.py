@@ -45,7 +45,8 @@ from torch import Tensor
 
 from cde.steerling.concept_heads import LOGIT_CLAMP
 from cde.steerling.model import SteeringInputs, SteerlingModel
-from cde.steerling.steering import AMPLIFY_TARGET, AMPLIFY_INJECT_LAYER
+from cde.limits import default_inject_layer
+from cde.steerling.steering import AMPLIFY_TARGET
 
 T_MIN = 0.05          # lowest per-block mask rate (a block with no mask teaches nothing)
 ALPHA_CAP = 200.0     # training-time cap on the steering strength (see steering_for_rows)
@@ -59,8 +60,8 @@ class LossWeights:
     known_token: float = 0.5
     disc: float = 1.0
     independence: float = 1.0
-    steer_words: float = 0.2
-    steer_share: float = 0.25   # share of the rows (with a steerable concept) that are steered
+    steer_words: float = 0.5
+    steer_share: float = 0.3   # share of the rows (with a steerable concept) that are steered
 
 
 @dataclass
@@ -169,7 +170,7 @@ def training_loss(model: SteerlingModel, batch: Batch, generator: torch.Generato
 
     inp = torch.cat([xt, tokens], dim=1)
     pos = torch.arange(t, device=dev).repeat(2)[None].expand(b, 2 * t)
-    layer = min(AMPLIFY_INJECT_LAYER, cfg.n_layers) if inject_layer is None else inject_layer
+    layer = default_inject_layer(cfg.n_layers, True) if inject_layer is None else inject_layer
     steering = None
     if bool(steered.any()):
         direction, alpha = steering_for_rows(model, concept, layer, target)
