@@ -180,3 +180,12 @@ def test_without_the_tokenizer_vocabulary_the_padding_rows_would_be_sampled():
     gens = generate_ar_batch(model, [[1, 2, 3]], 8, 0.0)
     assert set(gens[0].tokens) == {62}, f"seed={seed}: {gens[0].tokens}"
     assert never_output_ids(model.cfg, vocab) == [60, 61, 62, 63]
+
+
+def test_causal_never_output_ids_never_include_a_stop_id():
+    from cde.qwen3.make_tiny import CONFIG as IDLM_TINY
+
+    tiny = preset("tiny")   # bos 509 (not a stop), eos 510, mask 511
+    assert never_output_ids(tiny) == [509, 511]
+    assert never_output_ids(tiny, 505) == [505, 506, 507, 508, 509, 511]   # eos 510 stays samplable
+    assert never_output_ids(IDLM_TINY, 260) == [IDLM_TINY.mask_token_id]   # its BOS is a stop id

@@ -110,15 +110,16 @@ def never_output_ids(cfg, tokenizer_vocab_size: int | None = None) -> list[int]:
     """Ids no decoder may sample (AR, ISD clean tokens, drafts, corrections): the mask id, a BOS
     that is not a stop id (the gateway's detokenizer drops it, so sampled it would be a token the
     response does not hold), and embedding rows at or past the tokenizer's vocabulary (padding
-    rows no text maps to). A BOS that is a stop id stays: it ends the output like any EOS."""
+    rows no text maps to). A stop id is never banned (a BOS that is one ends the output like
+    any EOS), even one past a tokenizer vocabulary that does not count it."""
     ids = set()
     if cfg.mask_token_id is not None:
         ids.add(int(cfg.mask_token_id))
-    if cfg.bos_token_id is not None and cfg.bos_token_id not in cfg.eos_token_ids:
+    if cfg.bos_token_id is not None:
         ids.add(int(cfg.bos_token_id))
     if tokenizer_vocab_size is not None:
         ids.update(range(tokenizer_vocab_size, cfg.vocab_size))
-    return sorted(i for i in ids if i < cfg.vocab_size)
+    return sorted(i for i in ids - set(cfg.eos_token_ids) if i < cfg.vocab_size)
 
 
 def ban_(logits: Tensor, banned: Tensor) -> Tensor:
