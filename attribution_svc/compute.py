@@ -30,10 +30,13 @@ from cde import limits
 from cde.checkpoint import CheckpointError, CheckpointReader
 from cde.rpc.v1 import attribution_pb2, common_pb2
 from cde.steerling.attribution import (
+    OtherConcepts,
     RawRecords,
     TokenAttribution,
     chunk_scores,
+    split_listed,
     token_attribution,
+    token_top_terms,
 )
 from cde.steerling.catalog import ConceptCatalog
 from cde.steerling.config import SteerlingConfig
@@ -187,26 +190,32 @@ def _close_chunk(state: StreamState, end: int, n_known: int, top_k: int,
         return None
     inside = ((state.positions >= start) & (state.positions < end)).nonzero().squeeze(1)
     inside = inside[state.positions[inside].argsort(stable=True)]  # position order, as the reference
-    scores, residual_pct = chunk_scores(state.terms, inside.tolist(), end - start, n_known, top=top_k)
+    scores, residual_pct = chunk_scores(state.terms, inside.tolist(), end - start, n_known)
+    listed, other = split_listed(scores, top_k)
     return common_pb2.ChunkAttribution(start=start, end=end, residual_pct=residual_pct,
-                                       top=_score_messages(catalog, scores))
+                                       top=_score_messages(catalog, listed), other=_other_message(other))
+
+
+def _other_message(other: OtherConcepts) -> common_pb2.OtherConcepts:
+    return common_pb2.OtherConcepts(known=other.known, discovered=other.discovered)
 
 
 def token_messages(records: RawRecords, attr: TokenAttribution, n_known: int, top_k: int,
                    catalog: ConceptCatalog) -> list[common_pb2.TokenAttribution]:
-    """One TokenAttribution per committed token: its top_k concepts of both heads by |contribution|."""
-    kk = attr.known_contrib.shape[1]
-    scores = torch.cat([attr.known_contrib, attr.disc_contrib], dim=1)
-    ids = torch.cat([attr.known_idx, attr.disc_idx + n_known], dim=1)
-    order = scores.abs().argsort(dim=1, descending=True, stable=True)[:, :top_k]
-    top_scores, top_ids, order = scores.gather(1, order).tolist(), ids.gather(1, order).tolist(), order.tolist()
+    """One TokenAttribution per committed token: its top_k concepts of both heads by |contribution|,
+    and the rest of its record summed per head (`other`), so the terms add up to the logit."""
+    terms = token_top_terms(attr, top_k, n_known)
+    kk = terms.k_known
+    order, top_ids, top_scores = terms.columns.tolist(), terms.concept_ids.tolist(), terms.scores.tolist()
     out = []
-    for i, (pos, tok, target, resid) in enumerate(zip(records.positions.tolist(), records.tokens.tolist(),
-                                                      attr.target_logits.tolist(), attr.residual.tolist())):
+    for i, (pos, tok, target, resid, ok, od) in enumerate(zip(
+            records.positions.tolist(), records.tokens.tolist(), attr.target_logits.tolist(), attr.residual.tolist(),
+            terms.other_known.tolist(), terms.other_discovered.tolist())):
         top = [common_pb2.ConceptScore(concept_id=cid, label=catalog.label(cid),
                                        head="known" if col < kk else "discovered", score=s)
                for col, cid, s in zip(order[i], top_ids[i], top_scores[i])]
-        out.append(common_pb2.TokenAttribution(position=pos, token=tok, target_logit=target, residual=resid, top=top))
+        out.append(common_pb2.TokenAttribution(position=pos, token=tok, target_logit=target, residual=resid, top=top,
+                                               other=common_pb2.OtherConcepts(known=ok, discovered=od)))
     return out
 
 

@@ -94,11 +94,13 @@ def _sse(obj: dict[str, Any]) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-def _stop_usage(stream: GenerationStream) -> common_pb2.Usage:
-    """A stop string ended the request before the scheduler's Finished: count what was streamed
-    (whole blocks, so a few tokens past the cut may be counted) and stop the scheduler call."""
+def _stop_usage(stream: GenerationStream, returned_chars: int) -> common_pb2.Usage:
+    """A stop string ended the request before the scheduler's Finished: stop the scheduler call
+    and count the tokens of the text actually returned (`returned_chars` characters, the cut
+    included), not the whole blocks streamed."""
     stream.finish_early("stop")
-    return common_pb2.Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=stream.detok.n_tokens)
+    return common_pb2.Usage(prompt_tokens=stream.prompt_tokens,
+                            completion_tokens=stream.tokens_in_text(returned_chars))
 
 
 def _error_finish(fin: common_pb2.Finished) -> GatewayError:
@@ -127,7 +129,7 @@ async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, o
             cas += bj.pop("chunk_attributions")
             blocks.append({**bj, "text": piece})
             if stopper.stopped:
-                usage, reason = _stop_usage(stream), "stop"
+                usage, reason = _stop_usage(stream, sum(map(len, text))), "stop"
                 break
         elif kind == "finished":
             if ev.finished.reason == common_pb2.FINISH_REASON_ERROR:
@@ -142,6 +144,7 @@ async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, o
 async def _sse_events(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, opts: RestOptions,
                       on_error: Callable[[int], None]) -> AsyncIterator[str]:
     stopper = StopStringMatcher(opts.stop_strings)
+    sent_chars = 0   # of the response text, for usage after a stop string
     try:
         ev = first
         while ev is not None:
@@ -152,9 +155,11 @@ async def _sse_events(stream: GenerationStream, first: Any, fmt: OpenAIFormatter
                 if opts.steps:
                     yield _sse(fmt.step_chunk(ev.step))
             elif kind == "block":
-                yield _sse(fmt.block_chunk(ev.block, stopper.feed(ev.block.text)))
+                piece = stopper.feed(ev.block.text)
+                sent_chars += len(piece)
+                yield _sse(fmt.block_chunk(ev.block, piece))
                 if stopper.stopped:
-                    usage = _stop_usage(stream)
+                    usage = _stop_usage(stream, sent_chars)
                     yield _sse(fmt.final_chunk("stop"))
                     if opts.include_usage:
                         yield _sse(fmt.usage_chunk(usage))

@@ -61,6 +61,10 @@ class BlockDetokenizer:
         """Whatever an unfinished UTF-8 sequence at the very end decodes to (U+FFFD or "")."""
         return self._utf8.decode(b"", final=True)
 
+    def token_text_bytes(self, token_id: int) -> bytes:
+        """The bytes one output token adds to the text (a special id: none)."""
+        return self._tok.decode_bytes([int(token_id)])
+
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     """One token's own text for attribution rows: special tokens show their spelling, and a

@@ -21,6 +21,8 @@ restart as latency. An error that ended the request itself (the scheduler marks 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import codecs
 import dataclasses
 import logging
 import math
@@ -517,9 +519,34 @@ class GenerationStream:
     _replayed_through: int | None = field(default=None)   # after a reattach: blocks we already had
     _primed_tokens: int = field(default=0)
     _closed: bool = field(default=False)
+    # usage: characters of this response's text after each of its output tokens (the tokens'
+    # bytes through their own UTF-8 decoder, primed like the detokenizer's on a Resume)
+    _text_ends: list[int] = field(default_factory=list)
+    _chars: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
     def __post_init__(self) -> None:
         self.timer.metrics.in_flight.labels(self.timer.metrics.model).inc()
+
+    # ---- usage: the tokens this response holds -------------------------------------------
+    @property
+    def response_tokens(self) -> int:
+        """Output tokens this response carries (a Resume's: those after the blocks skipped)."""
+        return len(self._text_ends)
+
+    def tokens_in_text(self, n_chars: int) -> int:
+        """Tokens that the first `n_chars` characters of this response's text hold: the shortest
+        prefix of its tokens whose text covers them (a token a stop string cuts through counts;
+        text-less tokens right after the cut do not). What usage counts after a stop string."""
+        if n_chars <= 0:
+            return 0
+        return min(bisect.bisect_left(self._text_ends, n_chars) + 1, len(self._text_ends))
+
+    def _count_text(self, tokens: list[int], primed: bool) -> None:
+        total = self._text_ends[-1] if self._text_ends else 0
+        for t in tokens:
+            total += len(self._chars.decode(self.detok.token_text_bytes(t), final=False))
+            if not primed:
+                self._text_ends.append(total)
 
     async def next(self) -> generate_pb2.GenerateResponse | None:
         while not self.done:
@@ -591,7 +618,9 @@ class GenerationStream:
             if self.reattach is not None:
                 self.reattach.progress()
             res = self.detok.feed(b.tokens)
-            if self.skip_through is not None and b.block_index <= self.skip_through:
+            primed = self.skip_through is not None and b.block_index <= self.skip_through
+            self._count_text(res.tokens, primed)
+            if primed:
                 self._primed_tokens += len(res.tokens)
                 return None
             self.timer.block(len(res.tokens))
@@ -602,9 +631,10 @@ class GenerationStream:
             self.done = True
             fin = common_pb2.Finished()
             fin.CopyFrom(ev.finished)
-            if not fin.HasField("usage") or not (fin.usage.completion_tokens or fin.usage.prompt_tokens):
-                fin.usage.prompt_tokens = fin.usage.prompt_tokens or self.prompt_tokens
-                fin.usage.completion_tokens = fin.usage.completion_tokens or self.detok.n_tokens - self._primed_tokens
+            fin.usage.prompt_tokens = fin.usage.prompt_tokens or self.prompt_tokens
+            # usage counts exactly the tokens the response holds (the worker's count may include
+            # ids the detokenizer drops), whatever the backend reported
+            fin.usage.completion_tokens = self.response_tokens
             self.finish_reason = FINISH_REASON_TEXT.get(fin.reason, "stop")
             self.timer.finished(self.finish_reason, fin.usage, self.isd)
             return generate_pb2.GenerateResponse(finished=fin)

@@ -118,17 +118,29 @@ def _f(x: float) -> float:
     return round(float(x), 6)
 
 
+def _f32(x: float) -> float:
+    """A float32 attribution value with the 9 significant digits that round-trip it, so that the
+    terms the API lists add up to the token's logit to float32 rounding, not to a decimal cut."""
+    return float(f"{float(x):.9g}")
+
+
 def scores_json(top: Any) -> list[dict[str, Any]]:
-    return [{"concept_id": c.concept_id, "label": c.label, "score": _f(c.score), "head": c.head} for c in top]
+    return [{"concept_id": c.concept_id, "label": c.label, "score": _f32(c.score), "head": c.head} for c in top]
+
+
+def other_json(o: common_pb2.OtherConcepts) -> dict[str, float]:
+    return {"known": _f32(o.known), "discovered": _f32(o.discovered)}
 
 
 def token_attr_json(tok: Tokenizer, ta: common_pb2.TokenAttribution) -> dict[str, Any]:
     return {"position": ta.position, "token": ta.token, "text": token_text(tok, ta.token),
-            "target_logit": _f(ta.target_logit), "residual": _f(ta.residual), "top": scores_json(ta.top)}
+            "target_logit": _f32(ta.target_logit), "residual": _f32(ta.residual), "top": scores_json(ta.top),
+            "other": other_json(ta.other)}
 
 
 def chunk_attr_json(ca: common_pb2.ChunkAttribution) -> dict[str, Any]:
-    return {"start": ca.start, "end": ca.end, "residual_pct": _f(ca.residual_pct), "top": scores_json(ca.top)}
+    return {"start": ca.start, "end": ca.end, "residual_pct": _f32(ca.residual_pct), "top": scores_json(ca.top),
+            "other": other_json(ca.other)}
 
 
 def block_cde_json(tok: Tokenizer, b: generate_pb2.BlockEvent) -> dict[str, Any]:

@@ -9,6 +9,7 @@ stride, equals its greedy AR output token for token.
 
 from __future__ import annotations
 
+import codecs
 import json
 import subprocess
 import sys
@@ -140,6 +141,7 @@ def test_causal_stack_greedy_isd_equals_reference_ar_at_every_stride(tmp_path, r
                         for ch in json.loads(line[6:])["choices"]:
                             streamed.append(ch.get("delta", {}).get("content") or "")
             assert "".join(streamed) == a
+            check_usage_counts_the_response(c, url, tok, model.cfg.mask_token_id)
             # refusals are 400s with the parameter named
             for extra, param in (({"attribution": "chunks"}, "attribution"),
                                  ({"decode": {"stride": 99}}, "decode.stride")):
@@ -154,6 +156,43 @@ def test_causal_stack_greedy_isd_equals_reference_ar_at_every_stride(tmp_path, r
         assert cli.returncode == 0 and "tokens per forward" in cli.stdout, (cli.stdout, cli.stderr)
     report("causal stack: greedy tokens identical to reference AR at strides 1/2/4/8; tokens/forward, acceptance "
            + ", ".join(f"N={n}: {tpf:.2f}, {acc:.2f}" for n, (tpf, acc) in figures.items()))
+
+
+def tokens_covering(tok, tokens: list[int], text: str) -> int:
+    """The shortest prefix of tokens whose decoded text holds `text` (what usage must count after a
+    stop string), found by decoding prefixes (an unfinished last character is not text yet)."""
+    for n in range(len(tokens) + 1):
+        decoded = codecs.getincrementaldecoder("utf-8")("replace").decode(tok.decode_bytes(tokens[:n]), final=False)
+        if len(decoded) >= len(text):
+            return n
+    raise AssertionError(f"the tokens never hold the returned text {text!r}")
+
+
+def check_usage_counts_the_response(c: httpx.Client, url: str, tok, mask_id: int) -> None:
+    """Sampled ISD (T 0.7, top_p 0.95) over 20 seeds: usage == the tokens of the response, streamed
+    and not, and none of them the mask; with a stop string, the tokens of the returned text."""
+    base = {"messages": PROMPT, "max_tokens": 40, "temperature": 0.7, "top_p": 0.95, "decode": {"stride": 4}}
+    for seed in range(100, 120):
+        out = _complete(c, url, {**base, "seed": seed})
+        toks = [t for b in out["cde"]["blocks"] for t in b["tokens"]]
+        assert mask_id not in toks, f"seed={seed}: the mask id was sampled"
+        assert out["usage"]["completion_tokens"] == len(toks), f"seed={seed}: usage {out['usage']} vs {len(toks)}"
+        streamed, usage = [], None
+        with c.stream("POST", f"{url}/v1/chat/completions",
+                      json={**base, "seed": seed, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    ev = json.loads(line[6:])
+                    streamed += (ev.get("cde") or {}).get("tokens", [])
+                    usage = ev.get("usage") or usage
+        assert streamed == toks and usage["completion_tokens"] == len(toks), f"seed={seed} streamed"
+        text = out["choices"][0]["message"]["content"]
+        if len(text) >= 6:   # cut at a stop string taken from the middle of this very text
+            stop = text[len(text) // 2:len(text) // 2 + 2]
+            cut = _complete(c, url, {**base, "seed": seed, "stop": stop})
+            returned = cut["choices"][0]["message"]["content"]
+            assert returned == text[:text.index(stop)], f"seed={seed}"
+            assert cut["usage"]["completion_tokens"] == tokens_covering(tok, toks, returned), f"seed={seed} stop"
 
 
 def _stop_cut(tokens: list[int], tok) -> int:

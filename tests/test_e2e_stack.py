@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import json
+import random
 import subprocess
 import sys
 
@@ -17,7 +19,7 @@ import torch
 
 from cde.launch import Stack
 from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from cde.steerling.attribution import RawRecords, token_attribution, model_lookups
+from cde.steerling.attribution import RawRecords, chunk_spans, token_attribution, model_lookups
 from cde.steerling.loading import load_model
 from cde.launch import DEFAULT_MODEL, ROOT
 
@@ -85,7 +87,7 @@ def reconstruct_and_check(model, prompt_len: int, steps: list[dict], token_attrs
                              out.known_idx[p:p + 1], out.known_logits[p:p + 1],
                              out.disc_idx[p:p + 1], out.disc_logits[p:p + 1])
             ref = token_attribution(rec, *lookups)
-            served_sum = sum(c["score"] for c in ta["top"])
+            served_sum = sum(c["score"] for c in ta["top"]) + ta["other"]["known"] + ta["other"]["discovered"]
             ref_sum = float(ref.known_contrib.sum() + ref.disc_contrib.sum())
             assert abs(served_sum - ref_sum) <= 1e-3
             assert abs(served_sum + ta["residual"] - ta["target_logit"]) <= 1e-4 * max(1.0, abs(ta["target_logit"]))
@@ -121,6 +123,65 @@ def test_streamed_chat_with_steering_and_attribution_matches_the_model_package(s
     assert steered_text != text            # same seed, steering changed the output
     chunks = [c for e in steered for c in (e.get("cde") or {}).get("chunk_attributions", [])]
     assert chunks and all(c["top"] and c["top"][0]["label"].startswith(("Known:", "Discovered:")) for c in chunks)
+
+
+def _tokens_covering(tokens: list[int], text: str) -> int:
+    """Shortest prefix of byte tokens whose text holds `text` (an unfinished character is not text yet)."""
+    from cde.steerling.tokenizer import ByteTokenizer
+    tok = ByteTokenizer()
+    for n in range(len(tokens) + 1):
+        if len(codecs.getincrementaldecoder("utf-8")("replace").decode(tok.decode_bytes(tokens[:n]))) >= len(text):
+            return n
+    raise AssertionError(f"the tokens never hold {text!r}")
+
+
+def test_usage_attribution_sums_and_chunk_delivery_through_rest(stack, model):
+    """Fresh seed, default attribution_top_k (8): every token's listed terms + other + residual equal
+    its logit; usage counts the tokens the response holds (streamed, not streamed, cut by a stop
+    string); each chunk (span between <|endofchunk|> tokens) comes with the block that closes it."""
+    cfg = model.cfg
+    seed = random.SystemRandom().randrange(1 << 30)
+    body = chat_body(attribution="all", seed=seed, max_tokens=150)
+    with httpx.Client(timeout=180) as client:
+        with client.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            events = sse(r)
+        full = client.post(f"{stack.base_url}/v1/chat/completions", json={**body, "stream": False}).json()
+        text = full["choices"][0]["message"]["content"]
+        stop = text[len(text) // 2:len(text) // 2 + 2] if len(text) >= 6 else None
+        cut = client.post(f"{stack.base_url}/v1/chat/completions",
+                          json={**body, "stream": False, "stop": stop}).json() if stop else None
+    blocks = [e["cde"] for e in events if "block_index" in (e.get("cde") or {})]
+    usage = [e["usage"] for e in events if e.get("usage")][-1]
+    tokens = [t for b in blocks for t in b["tokens"]]
+    assert usage["completion_tokens"] == len(tokens) > 0, f"seed={seed}: usage {usage} vs {len(tokens)} tokens"
+    assert [t for b in full["cde"]["blocks"] for t in b["tokens"]] == tokens, f"seed={seed}"
+    assert full["usage"]["completion_tokens"] == len(tokens), f"seed={seed}"
+    if cut is not None:
+        returned = cut["choices"][0]["message"]["content"]
+        assert returned == text[:text.index(stop)], f"seed={seed}"
+        assert cut["usage"]["completion_tokens"] == _tokens_covering(tokens, returned), f"seed={seed}: stop {stop!r}"
+
+    attrs = [t for b in blocks for t in b["token_attributions"]]
+    assert attrs, f"seed={seed}"
+    for t in attrs:
+        assert len(t["top"]) == 8, f"seed={seed}"   # the tiny model records 8 + 16 concepts per token
+        terms = [c["score"] for c in t["top"]] + [t["other"]["known"], t["other"]["discovered"], t["residual"]]
+        scale = max(1.0, sum(abs(x) for x in terms))
+        assert abs(sum(terms) - t["target_logit"]) <= 1e-5 * scale, f"seed={seed} position {t['position']}: {t}"
+
+    # chunks: the spans between end-of-chunk tokens (empty ones not reported), each sent with the
+    # block holding its closing <|endofchunk|>, the last one with the generation's last block
+    start = blocks[0]["start"]
+    want = [(start + s, start + e) for s, e in chunk_spans(tokens, cfg.endofchunk_id) if e > s]
+    got = [(c["start"], c["end"], i) for i, b in enumerate(blocks) for c in b["chunk_attributions"]]
+    assert [(s, e) for s, e, _ in got] == want, f"seed={seed}: chunks {got} vs spans {want}"
+    for s, e, i in got:
+        closing = next((j for j, b in enumerate(blocks) if b["start"] <= e < b["start"] + len(b["tokens"])
+                        and b["tokens"][e - b["start"]] == cfg.endofchunk_id), len(blocks) - 1)
+        assert i == closing, f"seed={seed}: chunk [{s}, {e}) came with block {i}, closed in block {closing}"
+        assert all(set(c) == {"start", "end", "residual_pct", "top", "other"} for b in blocks
+                   for c in b["chunk_attributions"])
 
 
 def test_grpc_generate_mirrors_rest(stack):

@@ -87,7 +87,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 return
             yield scheduler_pb2.SchedulerEvent(finished=common_pb2.Finished(
                 reason=common_pb2.FINISH_REASON_STOP,
-                usage=common_pb2.Usage(prompt_tokens=n, completion_tokens=N_OUT, steps=N_OUT, forwards=N_OUT,
+                # more than the blocks hold (a worker counting ids the detokenizer drops): the
+                # gateway's usage counts the tokens its response holds, N_OUT
+                usage=common_pb2.Usage(prompt_tokens=n, completion_tokens=48, steps=N_OUT, forwards=N_OUT,
                                        tokens_per_forward=1.0)))
         except asyncio.CancelledError:
             self.cancelled.set()
@@ -299,7 +301,8 @@ def test_completion_non_stream_resolves_every_option(client: httpx.Client, stack
     assert cde["blocks"][1]["tokens"] == list(b"\xa9!")
     ta = cde["token_attributions"][0]
     assert ta == {"position": 2, "token": ord("H"), "text": "H", "target_logit": 2.0, "residual": 0.5,
-                  "top": [{"concept_id": 0, "label": "Known: ocean", "score": 1.5, "head": "known"}]}
+                  "top": [{"concept_id": 0, "label": "Known: ocean", "score": 1.5, "head": "known"}],
+                  "other": {"known": 0.0, "discovered": 0.0}}
     assert len(cde["chunk_attributions"]) == 2 and cde["chunk_attributions"][0]["top"][0]["label"] == "Known: river"
     (sub,) = stack.scheduler.submits
     assert list(sub.prompt_tokens) == list(b"Hi") and sub.model == MODEL and sub.request_id in body["id"]
@@ -392,9 +395,15 @@ def test_unmodified_openai_client(gw: GatewayHandle, client: httpx.Client) -> No
 def test_stop_strings_cut_the_text_and_cancel_upstream(client: httpx.Client) -> None:
     body = completion(client, stop=", c").json()
     assert body["choices"][0] == {"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "stop"}
-    r = completion(client, stop=["é"], stream=True)
-    chunks = [json.loads(f) for f in sse_frames(r.text)[:-1]]
+    assert body["usage"]["completion_tokens"] == 5   # the tokens of "Hello", not the block's 11
+    r = completion(client, stop=["é"], stream=True, stream_options={"include_usage": True})
+    *chunks, usage = [json.loads(f) for f in sse_frames(r.text)[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello, caf"
+    assert usage["usage"]["completion_tokens"] == 10   # the half of "é" in block 0 is not returned
+    r = completion(client, stop="!", stream=True, stream_options={"include_usage": True})
+    *chunks, usage = [json.loads(f) for f in sse_frames(r.text)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello, café"
+    assert usage["usage"]["completion_tokens"] == 12   # "é" is two byte tokens
 
 
 @pytest.mark.e2e
@@ -645,6 +654,7 @@ def test_grpc_generate_streams_the_same_blocks_as_rest(gw: GatewayHandle, client
 
         resumed = list(stub.Resume(common_pb2.ResumeRequest(request_id="r1"), timeout=5))
         assert [e.block.text for e in resumed if e.WhichOneof("event") == "block"] == ["Hello, caf", "é!"]
+        assert resumed[-1].finished.usage.completion_tokens == N_OUT
         resumed = list(stub.Resume(common_pb2.ResumeRequest(request_id="r1", after_block=0), timeout=5))
         assert [list(e.block.tokens) for e in resumed if e.WhichOneof("event") == "block"] == [list(b"\xa9!")]
         assert resumed[-1].finished.usage.completion_tokens == 2  # filled in from the blocks seen

@@ -609,8 +609,9 @@ def test_fp32_paged_forward_matches_the_dense_forward():
     launched: list = []   # (inputs, logits) per launched step; applied in launch order
 
     def capture(inp, window):
-        launched.append((inp, forward(inp, window)))
-        return launched[-1][1]
+        logits = forward(inp, window)
+        launched.append((inp, logits.clone()))   # before the step bans the never-output ids in place
+        return logits
 
     def check(rows, packed, k):   # rows: the step's rows as applied (an overlapped step's resolved)
         inp, logits = launched.pop(0)

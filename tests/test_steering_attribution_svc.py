@@ -373,6 +373,93 @@ def test_attribute_stream_equals_in_process_attribution(model, catalog, steered_
         assert [c.label for c in got.top] == [catalog.label(s.concept_id) for s in scores]
 
 
+def random_block_requests(cfg, seed: int, top_k: int, n_blocks: int = 3) -> list[attribution_pb2.AttributeRequest]:
+    """Fresh random records (distinct concepts per token, logits both signs) for consecutive
+    blocks from position 10, every position committed, end-of-chunk tokens at random places."""
+    g = torch.Generator().manual_seed(seed)
+    kk, kd = min(cfg.topk_known, cfg.n_known), min(cfg.topk_discovered, cfg.n_discovered)
+    out, start = [], 10
+    for b in range(n_blocks):
+        end = (start // 64 + 1) * 64
+        n = end - start
+        tokens = torch.randint(0, 256, (n,), generator=g)
+        tokens[torch.rand(n, generator=g) < 0.05] = cfg.endofchunk_id
+        rec = attr.RawRecords(
+            torch.arange(start, end), tokens, torch.randn(n, generator=g) * 4,
+            torch.stack([torch.randperm(cfg.n_known, generator=g)[:kk] for _ in range(n)]),
+            torch.randn(n, kk, generator=g) * 3,
+            torch.stack([torch.randperm(cfg.n_discovered, generator=g)[:kd] for _ in range(n)]),
+            torch.randn(n, kd, generator=g) * 3)
+        out.append(attribution_pb2.AttributeRequest(
+            request_id="rnd", block_index=start // 64, mode=common_pb2.ATTRIBUTION_ALL, top_k=top_k,
+            records=records_message(rec), start=start, context_tokens=tokens.tolist(), last=b == n_blocks - 1))
+        start = end
+    return out
+
+
+@pytest.mark.contract
+def test_listed_terms_plus_other_plus_residual_equal_the_logit_on_random_records(model):
+    """For every top_k (0 = the default 8): sum(top) + other.known + other.discovered + residual ==
+    target_logit to float32 rounding, and `other` is exactly the record's unlisted terms per head
+    (checked against the in-process float64 math). Chunks: listed + other == all of the chunk."""
+    cfg = model.cfg
+    seed = np.random.SeedSequence().entropy % (1 << 31)
+    lm = model.transformer.lm_head.weight.detach().double()
+    for top_k in (0, 1, 3, 64):
+        requests = random_block_requests(cfg, seed + top_k, top_k)
+
+        async def main():
+            async with services() as (_, _sc, ac):
+                async def gen():
+                    for r in requests:
+                        yield r
+                return [r async for r in attribution_pb2_grpc.AttributionStub(ac).Attribute(gen(), timeout=TIMEOUT)]
+        responses = run(main)
+        listed_max = top_k or 8
+        tokens = [t for r in responses for t in r.token_attributions]
+        assert len(tokens) == sum(len(r.records.positions) for r in requests), f"seed={seed}"
+        recs = {p: (r.records, i) for r in requests for i, p in enumerate(r.records.positions)}
+        for t in tokens:
+            msg, i = recs[t.position]
+            kk, kd = msg.k_known, msg.k_disc
+            w_y = lm[t.token]
+            known = {int(c): float(torch.sigmoid(torch.tensor(v, dtype=torch.float64))
+                                   * (model.known_head.embeddings(torch.tensor([c])).detach().double()[0] @ w_y))
+                     for c, v in zip(msg.known_idx[i * kk:(i + 1) * kk], msg.known_logits[i * kk:(i + 1) * kk])}
+            disc = {int(c) + cfg.n_known: float(torch.sigmoid(torch.tensor(v, dtype=torch.float64))
+                                                * (model.unknown_head.embeddings(torch.tensor([c])).detach().double()[0] @ w_y))
+                    for c, v in zip(msg.disc_idx[i * kd:(i + 1) * kd], msg.disc_logits[i * kd:(i + 1) * kd])}
+            tag = f"seed={seed} top_k={top_k} position={t.position}"
+            assert len(t.top) == min(listed_max, kk + kd), tag
+            total = sum(c.score for c in t.top) + t.other.known + t.other.discovered + t.residual
+            scale = sum(abs(c.score) for c in t.top) + abs(t.other.known) + abs(t.other.discovered) + abs(t.residual)
+            assert abs(total - t.target_logit) <= 1e-5 * max(1.0, scale), f"{tag}: {total} != {t.target_logit}"
+            listed = {c.concept_id for c in t.top}
+            want_known = sum(v for c, v in known.items() if c not in listed)
+            want_disc = sum(v for c, v in disc.items() if c not in listed)
+            assert abs(t.other.known - want_known) <= 1e-4 and abs(t.other.discovered - want_disc) <= 1e-4, tag
+            assert abs(t.residual - (t.target_logit - sum(known.values()) - sum(disc.values()))) <= 1e-4, tag
+            everything = known | disc
+            unlisted = sorted(abs(v) for c, v in everything.items() if c not in listed)
+            assert not unlisted or min(abs(c.score) for c in t.top) >= unlisted[-1] - 1e-5, f"{tag}: not the top"
+        chunks = [c for r in responses for c in r.chunk_attributions]
+        assert chunks, f"seed={seed}: no chunk closed"
+        ta = attr.token_attribution(attr.RawRecords.cat([
+            attr.RawRecords(torch.tensor(list(r.records.positions)), torch.tensor(list(r.records.tokens)),
+                            torch.tensor(list(r.records.target_logits)),
+                            torch.tensor(list(r.records.known_idx)).view(-1, r.records.k_known),
+                            torch.tensor(list(r.records.known_logits)).view(-1, r.records.k_known),
+                            torch.tensor(list(r.records.disc_idx)).view(-1, r.records.k_disc),
+                            torch.tensor(list(r.records.disc_logits)).view(-1, r.records.k_disc))
+            for r in requests]), *attr.model_lookups(model))
+        for c in chunks:
+            rows = list(range(c.start - 10, c.end - 10))
+            every, _ = attr.chunk_scores(ta, rows, c.end - c.start, cfg.n_known)
+            got = sum(s.score for s in c.top) + c.other.known + c.other.discovered
+            assert abs(got - sum(s.score for s in every)) <= 1e-5, f"seed={seed} top_k={top_k} chunk {c.start}"
+            assert len(c.top) == min(listed_max, len(every)), f"seed={seed} top_k={top_k} chunk {c.start}"
+
+
 def test_unit_chunks_close_at_the_generation_end_and_modes_select_output(model, catalog, steered_run):
     """Without a stop token the open chunk closes at last=True; a context cut short closes it too;
     TOKENS/CHUNKS/NONE pick what is sent, while the chunk state advances in every mode."""

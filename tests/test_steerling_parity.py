@@ -65,7 +65,7 @@ def oracle_generator(oracle, cfg):
                           decode=lambda ids, **_: byte_tok.decode(ids))
     model_cfg, _ = oracle_configs(cfg)
     gen = SteerlingGenerator(oracle, tok, model_cfg, is_interpretable=True, device="cpu")
-    # Same banned set as ours: mask, pad and the padding rows no tokenizer id maps to.
+    # Same banned set as ours: mask, pad, bos and the padding rows no tokenizer id maps to.
     gen._banned_ids = banned_ids(cfg, TOKENIZER_VOCAB)
     return gen
 

@@ -427,7 +427,7 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
         model = await asyncio.to_thread(load_qwen3, model_dir, dtype=dtype, device=opts.device)
         token_limit = load_chat_tokenizer(model_dir, model.cfg).vocab_size
         engine = IsdEngine(model, max_slots=opts.max_slots, n_pages=opts.kv_pages, max_stride=opts.max_stride,
-                           cuda_graphs=opts.cuda_graphs, compile=opts.compile)
+                           cuda_graphs=opts.cuda_graphs, compile=opts.compile, tokenizer_vocab_size=token_limit)
         front = AsyncEngine(engine)
         servicer: WorkerServicer = CausalWorkerServicer(front, model_name, token_limit, opts.dtype, opts.device)
     else:

@@ -105,6 +105,32 @@ class Generation:
     stats: DecodeStats = field(default_factory=DecodeStats)
 
 
+# ---- never-output ids ------------------------------------------------------------------------
+def never_output_ids(cfg, tokenizer_vocab_size: int | None = None) -> list[int]:
+    """Ids no decoder may sample (AR, ISD clean tokens, drafts, corrections): the mask id, a BOS
+    that is not a stop id (the gateway's detokenizer drops it, so sampled it would be a token the
+    response does not hold), and embedding rows at or past the tokenizer's vocabulary (padding
+    rows no text maps to). A stop id is never banned (a BOS that is one ends the output like
+    any EOS), even one past a tokenizer vocabulary that does not count it."""
+    ids = set()
+    if cfg.mask_token_id is not None:
+        ids.add(int(cfg.mask_token_id))
+    if cfg.bos_token_id is not None:
+        ids.add(int(cfg.bos_token_id))
+    if tokenizer_vocab_size is not None:
+        ids.update(range(tokenizer_vocab_size, cfg.vocab_size))
+    return sorted(i for i in ids - set(cfg.eos_token_ids) if i < cfg.vocab_size)
+
+
+def ban_(logits: Tensor, banned: Tensor) -> Tensor:
+    """Set the never-output ids' logits to -inf, in place, over the last dim (banned: long ids).
+    Every distribution the decoders form (p, q, the residual) then gives them zero mass and every
+    argmax skips them, so AR and ISD sample the same banned distribution and ISD stays lossless."""
+    if banned.numel():
+        logits.index_fill_(-1, banned.to(logits.device), float("-inf"))
+    return logits
+
+
 # ---- sampling helpers ---------------------------------------------------------------------
 def keep_mask(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
     """Which ids survive top-k then top-p at temperature T (bool, same shape as logits (..., V))."""
@@ -214,13 +240,15 @@ def _stops(model: Qwen3Model, tokens: list[int], max_new: int) -> tuple[list[int
 # ---- plain AR -------------------------------------------------------------------------------
 def generate_ar_batch(model: Qwen3Model, prompts: Sequence[Sequence[int]], max_new: int, temperature: float = 0.0,
                       top_k: int = 0, top_p: float = 1.0, seeds: Sequence[int] | None = None,
-                      use_lora: bool = False) -> list[Generation]:
+                      use_lora: bool = False, tokenizer_vocab_size: int | None = None) -> list[Generation]:
     """Plain autoregressive decoding (stride 1), one forward per token, many rows.
 
     use_lora: with an adapter attached, False computes the base model (gate 0 everywhere),
-    True applies the adapter everywhere.
+    True applies the adapter everywhere. tokenizer_vocab_size: embedding rows from there on are
+    never sampled (``never_output_ids``).
     """
     _check_args(prompts, max_new, temperature, top_k, top_p)
+    banned = torch.tensor(never_output_ids(model.cfg, tokenizer_vocab_size), dtype=torch.long)
     seeds = list(seeds) if seeds is not None else [0] * len(prompts)
     outs: list[list[int]] = [[] for _ in prompts]
     results: list[Generation | None] = [None] * len(prompts)
@@ -229,7 +257,7 @@ def generate_ar_batch(model: Qwen3Model, prompts: Sequence[Sequence[int]], max_n
     while live:
         seqs = [list(prompts[r]) + outs[r] for r in live]
         gates = None if use_lora else [[0] * len(s) for s in seqs]
-        logits = forward_rows(model, seqs, gates)[:, -1]
+        logits = ban_(forward_rows(model, seqs, gates)[:, -1], banned)
         forwards += 1
         pos = torch.tensor([len(s) for s in seqs])
         toks = _sample_clean(logits, temperature, top_k, top_p, [seeds[r] for r in live], pos).tolist()
@@ -246,22 +274,28 @@ def generate_ar_batch(model: Qwen3Model, prompts: Sequence[Sequence[int]], max_n
 
 
 def generate_ar(model: Qwen3Model, prompt: Sequence[int], max_new: int, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, seed: int = 0, use_lora: bool = False) -> Generation:
+                top_p: float = 1.0, seed: int = 0, use_lora: bool = False,
+                tokenizer_vocab_size: int | None = None) -> Generation:
     """One request of ``generate_ar_batch``."""
-    return generate_ar_batch(model, [prompt], max_new, temperature, top_k, top_p, [seed], use_lora)[0]
+    return generate_ar_batch(model, [prompt], max_new, temperature, top_k, top_p, [seed], use_lora,
+                             tokenizer_vocab_size)[0]
 
 
 # ---- ISD ------------------------------------------------------------------------------------
 def generate_isd_batch(model: Qwen3Model, prompts: Sequence[Sequence[int]], max_new: int, stride: int,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                        seeds: Sequence[int] | None = None, lora_gated: bool = True, proposal: str = "sample",
-                       verify_fn: VerifyFn = verify_torch) -> list[Generation]:
+                       verify_fn: VerifyFn = verify_torch,
+                       tokenizer_vocab_size: int | None = None) -> list[Generation]:
     """Introspective Strided Decoding with stride N = ``stride`` (>= 2), many independent rows.
 
     verify_fn: the verify rule (``verify_torch`` / ``verify_triton`` / ``verify_reference``,
-    or a deliberately broken one in tests).
+    or a deliberately broken one in tests). Every logit row of every forward has the
+    never-output ids banned (``never_output_ids``) before anything reads it: p, q, clean
+    tokens, drafts and corrections alike.
     """
     _check_args(prompts, max_new, temperature, top_k, top_p)
+    banned = torch.tensor(never_output_ids(model.cfg, tokenizer_vocab_size), dtype=torch.long)
     if stride < 2:
         raise ValueError("ISD needs stride >= 2 (stride 1 is generate_ar)")
     if proposal not in PROPOSALS:
@@ -289,8 +323,8 @@ def generate_isd_batch(model: Qwen3Model, prompts: Sequence[Sequence[int]], max_
         return False
 
     # Prefill: no mask position, so base weights when gated; t0 from the prompt's last logits.
-    logits = forward_rows(model, [list(p) for p in prompts],
-                          [[0] * len(p) for p in prompts] if lora_gated else None)[:, -1]
+    logits = ban_(forward_rows(model, [list(p) for p in prompts],
+                               [[0] * len(p) for p in prompts] if lora_gated else None)[:, -1], banned)
     t0 = _sample_clean(logits, temperature, top_k, top_p, seeds, torch.tensor([len(p) for p in prompts])).tolist()
     live = []
     for r in range(nrows):
@@ -312,7 +346,7 @@ def generate_isd_batch(model: Qwen3Model, prompts: Sequence[Sequence[int]], max_
             seqs.append(prefix + window)
             gates.append([0] * len(prefix) + wgate)
             is_verify.append(specs[r] is not None)
-        wl = forward_rows(model, seqs, gates if lora_gated else None)[:, -(2 * n - 1):]  # (B, 2N-1, V)
+        wl = ban_(forward_rows(model, seqs, gates if lora_gated else None)[:, -(2 * n - 1):], banned)  # (B, 2N-1, V)
         b = len(live)
         ver = torch.tensor(is_verify)
         p_abs = torch.tensor([len(prompts[r]) + len(outs[r]) - 1 for r in live])  # abs position of window[0]
@@ -399,10 +433,11 @@ def generate_isd_batch(model: Qwen3Model, prompts: Sequence[Sequence[int]], max_
 
 def generate_isd(model: Qwen3Model, prompt: Sequence[int], max_new: int, stride: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, lora_gated: bool = True,
-                 proposal: str = "sample", verify_fn: VerifyFn = verify_torch) -> Generation:
+                 proposal: str = "sample", verify_fn: VerifyFn = verify_torch,
+                 tokenizer_vocab_size: int | None = None) -> Generation:
     """One request of ``generate_isd_batch``."""
     return generate_isd_batch(model, [prompt], max_new, stride, temperature, top_k, top_p, [seed], lora_gated,
-                              proposal, verify_fn)[0]
+                              proposal, verify_fn, tokenizer_vocab_size)[0]
 
 
 def _check_args(prompts: Sequence[Sequence[int]], max_new: int, temperature: float, top_k: int,

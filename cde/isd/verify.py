@@ -70,7 +70,8 @@ def verify_reference(p_logits: Tensor, q_logits: Tensor, drafts: Tensor, tempera
                      u_resid: Tensor, greedy: Tensor) -> tuple[Tensor, Tensor]:
     """The oracle: the rule as written, in float64, one row and one draft at a time.
 
-    Acceptance is literally ``u < min(1, p(s) / q(s))`` (q(s) = 0 counts as ratio inf).
+    Acceptance is literally ``u < min(1, p(s) / q(s))`` (q(s) = 0 counts as ratio inf, unless
+    p(s) = 0 too: that draft is rejected, as the product form of the other two rules does).
     Returns (n_accepted (R,) int64, correction (R,) int64, -1 where every draft was accepted).
     """
     r, k, v = _check(p_logits, q_logits, drafts, temperature, u_accept, u_resid, greedy)
@@ -89,7 +90,8 @@ def verify_reference(p_logits: Tensor, q_logits: Tensor, drafts: Tensor, tempera
                 break
             p = torch.softmax(logits_p / float(temperature[row]), dim=-1)
             q = torch.softmax(q_logits[row, i].double().cpu(), dim=-1)  # already scaled: no / T
-            ratio = float("inf") if float(q[s]) == 0.0 else float(p[s] / q[s])
+            # p(s) = 0 (a filtered or never-output id) always rejects, even where q(s) = 0 too
+            ratio = 0.0 if float(p[s]) == 0.0 else float("inf") if float(q[s]) == 0.0 else float(p[s] / q[s])
             if float(u_accept[row, i]) < min(1.0, ratio):
                 n_acc[row] += 1
                 continue

@@ -12,6 +12,10 @@ Reproducible to the bit: every sum (the dot products, a token's terms, a chunk's
 concept and its residual share) accumulates in float64 in a fixed order and is rounded to
 float32 once at the end, so the kernel a BLAS picks for a block's size or thread count
 cannot change a result, and a replayed or re-placed request gets identical attributions.
+Served attributions list only the `top_k` terms by |score|; `token_top_terms` and `split_listed`
+also return, per head, the sum of the terms left out ("other"), so that for every token
+    sum(listed) + other.known + other.discovered + residual == target_logit
+whatever `top_k` is (and for a chunk, listed + other == the sum over all of its concepts).
 """
 
 from __future__ import annotations
@@ -136,3 +140,44 @@ def chunk_scores(attr: TokenAttribution, rows: Sequence[int], span_len: int, n_k
     out.sort(key=lambda s: abs(s.score), reverse=True)
     eps_pct = float(((eps / total).sum() / len(idx) * 100).float()) if len(idx) else 0.0
     return (out[:top] if top is not None else out), eps_pct
+
+
+@dataclass(frozen=True)
+class OtherConcepts:
+    """Summed scores, per head, of the concepts of a record that are not listed."""
+
+    known: float = 0.0
+    discovered: float = 0.0
+
+
+@dataclass
+class TopTerms:
+    """Each token's listed terms (its top_k by |contribution|, both heads) and the rest, summed per head."""
+
+    columns: Tensor          # (n, m) int64 column in [known terms | discovered terms] (m = min(top_k, k_known + k_disc))
+    concept_ids: Tensor      # (n, m) user-facing ids (discovered offset by n_known)
+    scores: Tensor           # (n, m) fp32 contributions
+    other_known: Tensor      # (n,) fp32 sum of the known terms not listed
+    other_discovered: Tensor  # (n,) fp32 sum of the discovered terms not listed
+    k_known: int             # columns below this are known-head terms
+
+
+def token_top_terms(attr: TokenAttribution, top_k: int, n_known: int) -> TopTerms:
+    """The top_k terms of each token by |contribution| (ties: lower column first) and the sum,
+    per head, of the others: listed + other_known + other_discovered + residual == target."""
+    kk = attr.known_contrib.shape[1]
+    scores = torch.cat([attr.known_contrib, attr.disc_contrib], dim=1).float()
+    ids = torch.cat([attr.known_idx, attr.disc_idx + n_known], dim=1)
+    order = scores.abs().argsort(dim=1, descending=True, stable=True)[:, :top_k]
+    listed = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, order, True)
+    rest = scores.masked_fill(listed, 0.0)
+    return TopTerms(order, ids.gather(1, order), scores.gather(1, order), rest[:, :kk].sum(-1), rest[:, kk:].sum(-1),
+                    kk)
+
+
+def split_listed(scores: Sequence[ConceptScore], top: int | None) -> tuple[list[ConceptScore], OtherConcepts]:
+    """The first `top` of scores sorted by |score| (all when None) and the rest summed per head."""
+    listed = list(scores if top is None else scores[:top])
+    rest = [] if top is None else scores[top:]
+    return listed, OtherConcepts(sum(s.score for s in rest if s.head == "known"),
+                                 sum(s.score for s in rest if s.head == "discovered"))

@@ -1,9 +1,9 @@
 """The Steerling sampler, batched over rows, plus counter-based randomness.
 
 Semantics follow the public package's `generate_full` / `_sample_token` exactly:
-relu suppression, repetition penalty on every id present in the sequence, EOS and banned
-ids at -inf, confidence = max softmax probability, then per chosen position either
-argmax (greedy) or a draw from softmax(logits / T) filtered to top-p, with
+relu suppression, repetition penalty on every id present in the sequence, EOS and the
+never-output ids (`banned_ids`) at -inf, confidence = max softmax probability, then per chosen
+position either argmax (greedy) or a draw from softmax(logits / T) filtered to top-p, with
 T = 0.3 + 0.4 * normalized entropy in entropy-adaptive mode.
 
 Randomness is a pure function of (request seed, position, step): `counter_uniform` hashes
@@ -151,8 +151,14 @@ def draw(filtered: Tensor, sorted_ids: Tensor, u: Tensor) -> Tensor:
 
 
 def banned_ids(cfg, tokenizer_vocab_size: int | None, device=None) -> Tensor:
-    """Mask and pad, plus embedding-table padding rows the tokenizer can never decode."""
-    ids = [cfg.mask_id, cfg.pad_id]
+    """The ids that are never output, so never sampled (EOS is banned separately, in `adjust_logits`).
+
+    Mask and pad (the public package's bans), BOS (prompts are encoded without it and the
+    gateway's detokenizer drops it: sampled, it would be a token the response does not hold),
+    and embedding-table padding rows the tokenizer can never decode. `<|endofchunk|>` and the
+    chat header ids stay: they are output tokens (a chunk boundary, a turn marker) that add no text.
+    """
+    ids = [cfg.mask_id, cfg.pad_id, cfg.bos_id]
     if tokenizer_vocab_size is not None:
         ids += list(range(tokenizer_vocab_size, cfg.vocab_size))
     return torch.tensor(sorted(set(ids)), dtype=torch.long, device=device)

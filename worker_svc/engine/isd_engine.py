@@ -223,7 +223,7 @@ class IsdEngine(StepLoop):
     def __init__(self, model: Qwen3Model, *, max_slots: int = 64, n_pages: int | None = None, max_stride: int = 8,
                  prefill_chunk: int = 64, max_prefill_rows: int = 8, kv_fraction: float = 0.85,
                  verify_fn: VerifyFn | None = None, cuda_graphs: bool = False, compile: bool = False,
-                 overlap: bool = True):
+                 overlap: bool = True, tokenizer_vocab_size: int | None = None):
         if model.cfg.mask_token_id is None and max_stride > 1:
             raise ValueError("ISD (stride > 1) needs a model config with mask_token_id")
         if prefill_chunk not in Q_BUCKETS:
@@ -236,7 +236,8 @@ class IsdEngine(StepLoop):
         self.kv = self._make_kv(n_pages, kv_fraction, max_slots, max_stride)
         self.max_stride = max_stride
         self.runner = IsdRunner(model, self.kv, max_slots + 1, max(max_stride - 1, 0), verify_fn,
-                                max_rows=bucket(max_slots + max(max_prefill_rows, 1), ROW_BUCKETS))
+                                max_rows=bucket(max_slots + max(max_prefill_rows, 1), ROW_BUCKETS),
+                                tokenizer_vocab_size=tokenizer_vocab_size)
         self.prefill_chunk = prefill_chunk
         self.max_prefill_rows = max_prefill_rows
         self._eos = frozenset(self.cfg.eos_token_ids)

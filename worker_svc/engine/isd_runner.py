@@ -14,6 +14,8 @@ step here is, for R rows padded to a common query length Q:
    step before anything may see them, so trimming the cache is just the host moving the
    request's valid length back. Only the W = 2K+1 window positions are put through the LM
    head (K = the step's largest N - 1).
+   The never-output ids (mask, a non-stop BOS, rows past the tokenizer's vocabulary:
+   ``cde.isd.decoder.never_output_ids``) are set to -inf in those logits, as the reference does.
 2. **propose**: the clean token (prefill's t0, a cold step's c, a verify step's bonus) and
    K drafts per row with the reference decoder's arithmetic (``cde/isd/decoder.py``):
    argmax at T = 0, else inverse-CDF draws from ``counter_uniform(seed, position, step,
@@ -42,7 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cde.isd.decoder import STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREAM_SAMPLE, draw, inverse_cdf
+from cde.isd.decoder import (STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREAM_SAMPLE, ban_, draw, inverse_cdf,
+                             never_output_ids)
 from cde.isd.verify import onehot_logits, verify_torch
 from cde.qwen3.model import Qwen3Model
 from cde.steerling.sampling import counter_uniform
@@ -247,11 +250,13 @@ class IsdRunner:
     """Holds the model, the KV cache and the q table; ``step`` is the device step."""
 
     def __init__(self, model: Qwen3Model, kv: KVCache, n_slots: int, max_drafts: int,
-                 verify_fn: VerifyFn | None = None, max_rows: int = 128):
+                 verify_fn: VerifyFn | None = None, max_rows: int = 128, tokenizer_vocab_size: int | None = None):
         self.model = model
         self.cfg = model.cfg
         self.kv = kv
         dev = model.lm_head.weight.device
+        # ids never sampled (cde.isd.decoder.never_output_ids): -inf in every step's logits
+        self.banned = torch.tensor(never_output_ids(self.cfg, tokenizer_vocab_size), dtype=torch.long, device=dev)
         # stored draft logits, already temperature-scaled (float32 as the reference's q_buf); slot 0 is scratch
         self.q_table = torch.zeros(n_slots, max_drafts, self.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.verify_fn = verify_fn or default_verify(dev)
@@ -385,7 +390,9 @@ class IsdRunner:
         state in the carry buffer for the next one."""
         if overlapped:
             inp = advance(inp, self.carry, self.mask_id)
-        packed = self.propose_and_verify(inp, self.forward(inp, window), filtered, sampling)
+        # the never-output ids go to -inf before anything reads the logits, as in the reference
+        logits = ban_(self.forward(inp, window), self.banned)
+        packed = self.propose_and_verify(inp, logits, filtered, sampling)
         r = packed.shape[0]
         state = torch.cat([inp.win_pos[:, None], inp.verify_row.long()[:, None], inp.fwd_index[:, None], packed], 1)
         self.carry[:r, :state.shape[1]].copy_(state)

@@ -190,31 +190,43 @@ class ConceptScore(_message.Message):
     score: float
     def __init__(self, concept_id: _Optional[int] = ..., label: _Optional[str] = ..., head: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
+class OtherConcepts(_message.Message):
+    __slots__ = ("known", "discovered")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    DISCOVERED_FIELD_NUMBER: _ClassVar[int]
+    known: float
+    discovered: float
+    def __init__(self, known: _Optional[float] = ..., discovered: _Optional[float] = ...) -> None: ...
+
 class TokenAttribution(_message.Message):
-    __slots__ = ("position", "token", "target_logit", "residual", "top")
+    __slots__ = ("position", "token", "target_logit", "residual", "top", "other")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TARGET_LOGIT_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    OTHER_FIELD_NUMBER: _ClassVar[int]
     position: int
     token: int
     target_logit: float
     residual: float
     top: _containers.RepeatedCompositeFieldContainer[ConceptScore]
-    def __init__(self, position: _Optional[int] = ..., token: _Optional[int] = ..., target_logit: _Optional[float] = ..., residual: _Optional[float] = ..., top: _Optional[_Iterable[_Union[ConceptScore, _Mapping]]] = ...) -> None: ...
+    other: OtherConcepts
+    def __init__(self, position: _Optional[int] = ..., token: _Optional[int] = ..., target_logit: _Optional[float] = ..., residual: _Optional[float] = ..., top: _Optional[_Iterable[_Union[ConceptScore, _Mapping]]] = ..., other: _Optional[_Union[OtherConcepts, _Mapping]] = ...) -> None: ...
 
 class ChunkAttribution(_message.Message):
-    __slots__ = ("start", "end", "residual_pct", "top")
+    __slots__ = ("start", "end", "residual_pct", "top", "other")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_PCT_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    OTHER_FIELD_NUMBER: _ClassVar[int]
     start: int
     end: int
     residual_pct: float
     top: _containers.RepeatedCompositeFieldContainer[ConceptScore]
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., residual_pct: _Optional[float] = ..., top: _Optional[_Iterable[_Union[ConceptScore, _Mapping]]] = ...) -> None: ...
+    other: OtherConcepts
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., residual_pct: _Optional[float] = ..., top: _Optional[_Iterable[_Union[ConceptScore, _Mapping]]] = ..., other: _Optional[_Union[OtherConcepts, _Mapping]] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("request_id", "prompt_tokens", "seed", "stop_ids")

@@ -1,0 +1,191 @@
+"""Ids that are never output cannot be sampled, in either model family, by the engines or by
+their reference decoders (the oracles the engines are tested against).
+
+Never-output ids (documented in README "API"):
+* Steerling: EOS, mask, pad, BOS (`cde.steerling.sampling.banned_ids` + the EOS ban of
+  `adjust_logits`) and the embedding rows past the tokenizer's vocabulary;
+* causal (I-DLM): the mask, a BOS that is not a stop id, and the rows past the tokenizer's
+  vocabulary (`cde.isd.decoder.never_output_ids`).
+
+Each model here gets an LM-head bias that gives those ids the largest logits by far (the mask
+the largest of all), checked on the raw logits first, so a decoder that forgets any ban samples
+them at once. Greedy and sampled (T 0.7, top_p 0.95; Steerling also its entropy sampler), fresh
+seeds printed in every failure; the engines must still equal their reference token for token.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cde.isd.decoder import generate_ar_batch, generate_isd_batch, never_output_ids
+from cde.isd.toy import lag_model
+from cde.qwen3.config import preset
+from cde.qwen3.model import Qwen3Model
+from cde.steerling.config import TINY
+from cde.steerling.model import SteerlingModel
+from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.sampling import SamplingParams, banned_ids
+from worker_svc.engine.engine import Engine, FinishEvent, StepEvent
+from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
+
+pytestmark = pytest.mark.parity
+
+STEERLING_VOCAB = 264   # the tiny byte tokenizer's ids; rows 264..319 are padding
+
+
+def fresh_seed() -> int:
+    return random.SystemRandom().randrange(1 << 30)
+
+
+def bias_toward(lm_head: torch.nn.Linear, ids: list[int], top: float = 60.0, gap: float = 2.0) -> None:
+    """Give the LM head a bias: ids[0] gets `top`, each later id `gap` less, others 0."""
+    bias = torch.zeros(lm_head.out_features, dtype=lm_head.weight.dtype)
+    for i, t in enumerate(ids):
+        bias[t] = top - gap * i
+    lm_head.bias = torch.nn.Parameter(bias, requires_grad=False)
+
+
+# ---- Steerling ----------------------------------------------------------------------------
+
+def steerling_never_output() -> list[int]:
+    return sorted(set(banned_ids(TINY, STEERLING_VOCAB).tolist()) | {TINY.eos_id})
+
+
+def biased_steerling(seed: int) -> SteerlingModel:
+    model = SteerlingModel(TINY).init_random(seed, std=0.05).to(torch.float64).eval()
+    padding_rows = list(range(STEERLING_VOCAB, TINY.vocab_size))
+    bias_toward(model.transformer.lm_head,
+                [TINY.mask_id, TINY.eos_id, TINY.pad_id, TINY.bos_id, padding_rows[0], padding_rows[-1]])
+    return model
+
+
+def test_banned_set_is_what_the_docs_say():
+    ids = set(steerling_never_output())
+    assert {TINY.mask_id, TINY.pad_id, TINY.bos_id, TINY.eos_id} <= ids
+    assert set(range(STEERLING_VOCAB, TINY.vocab_size)) <= ids
+    # chunk boundaries and turn markers are output tokens
+    assert TINY.endofchunk_id not in ids and TINY.eot_id not in ids
+
+
+def test_steerling_decoders_never_sample_the_mask_even_when_it_has_the_largest_logit():
+    seed = fresh_seed()
+    model = biased_steerling(seed)
+    rng = random.Random(seed)
+    never = steerling_never_output()
+    # the bias really makes the mask the raw argmax at every masked position
+    seq = torch.tensor([rng.randrange(256) for _ in range(64)] + [TINY.mask_id] * 64)
+    with torch.no_grad():
+        raw = model(seq[None]).logits
+    assert (raw[64:].argmax(-1) == TINY.mask_id).all(), f"seed={seed}: the bias does not make the mask the argmax"
+
+    samplers = [SamplingParams(use_entropy_sampling=False, temperature=0.0),
+                SamplingParams(use_entropy_sampling=False, temperature=0.7, top_p=0.95),
+                SamplingParams(top_p=1.0)]   # entropy-adaptive temperature, no top-p cut
+    engine = Engine(model, tokenizer_vocab_size=STEERLING_VOCAB, n_pages=64)
+    submitted = {}
+    for i, sp in enumerate(samplers):
+        prompt = [rng.randrange(256) for _ in range(rng.choice((5, 40, 64)))]
+        opts = DecodeOptions(48, sp, tokens_per_step=2, seed=rng.randrange(1 << 40))
+        submitted[f"s{i}"] = (prompt, opts, None, engine.submit(f"s{i}", prompt, opts))
+    engine.run_until_idle()
+    for rid, (prompt, opts, _, handle) in submitted.items():
+        events = list(engine.drain(handle))
+        steps = [(e.step, e.positions, e.tokens) for e in events if isinstance(e, StepEvent)]
+        fin = [e for e in events if isinstance(e, FinishEvent)][0]
+        ref = generate(model, prompt, opts, tokenizer_vocab_size=STEERLING_VOCAB)
+        sampled = [t for s in ref.steps for t in s.tokens]
+        assert len(sampled) >= 20, f"seed={seed} {rid}: only {len(sampled)} tokens sampled"
+        hit = sorted(set(sampled + [t for _, _, ts in steps for t in ts]) & set(never))
+        assert not hit, f"seed={seed} {rid} {opts.sampling}: never-output ids {hit} were sampled"
+        # the engine still equals its reference, step for step
+        assert steps == [(s.step, s.positions, s.tokens) for s in ref.steps], f"seed={seed} {rid}"
+        assert fin.output_tokens == ref.output_tokens, f"seed={seed} {rid}"
+
+
+# ---- causal (ISD and AR) ----------------------------------------------------------------------
+
+def biased_tiny_qwen3(seed: int) -> tuple[Qwen3Model, int | None]:
+    """The random tiny preset: mask 511 and BOS 509 (not a stop id) get the largest logits."""
+    model = Qwen3Model(preset("tiny")).init_random(seed).double().eval()
+    cfg = model.cfg
+    assert cfg.bos_token_id not in cfg.eos_token_ids
+    bias_toward(model.lm_head, [cfg.mask_token_id, cfg.bos_token_id])
+    return model, None
+
+
+def biased_lag(seed: int) -> tuple[Qwen3Model, int | None]:
+    """The lag model (drafts often accepted): mask 63, and rows 60..62 past a 60-id tokenizer."""
+    model = lag_model(seed, lag=4, vocab=64)
+    bias_toward(model.lm_head, [63, 62, 61, 60], top=600.0, gap=100.0)   # its own logits reach ~100
+    return model, 60
+
+
+CAUSAL = {"tiny-random": biased_tiny_qwen3, "lag4": biased_lag}
+# (stride, temperature, top_p)
+CAUSAL_RUNS = [(1, 0.0, 1.0), (1, 0.7, 0.95), (2, 0.0, 1.0), (4, 0.0, 1.0), (2, 0.7, 0.95), (4, 0.7, 0.95)]
+
+
+def causal_reference(model, prompts, stride, temperature, top_p, seeds, vocab):
+    new = 24
+    if stride == 1:
+        return generate_ar_batch(model, prompts, new, temperature, 0, top_p, seeds, tokenizer_vocab_size=vocab)
+    return generate_isd_batch(model, prompts, new, stride, temperature, 0, top_p, seeds,
+                              tokenizer_vocab_size=vocab)
+
+
+@pytest.mark.parametrize("kind", sorted(CAUSAL))
+def test_causal_decoders_never_sample_the_mask_even_when_it_has_the_largest_logit(kind):
+    seed = fresh_seed()
+    model, vocab = CAUSAL[kind](seed)
+    cfg = model.cfg
+    never = never_output_ids(cfg, vocab)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(min(vocab or 500, 500)) for _ in range(n)] for n in (3, 9, 20)]
+    with torch.no_grad():
+        raw = model(torch.tensor([prompts[1]]))[0]
+    assert (raw.argmax(-1) == cfg.mask_token_id).all(), f"seed={seed}: the bias does not make the mask the argmax"
+
+    engine = IsdEngine(model, n_pages=64, tokenizer_vocab_size=vocab)
+    handles, refs = {}, {}
+    for c, (n, t, p) in enumerate(CAUSAL_RUNS):
+        seeds = [rng.randrange(1 << 40) for _ in prompts]
+        for prompt, ref, s in zip(prompts, causal_reference(model, prompts, n, t, p, seeds, vocab), seeds):
+            rid = f"N{n}-T{t}-L{len(prompt)}-{c}"
+            refs[rid] = ref
+            handles[rid] = engine.submit(rid, prompt, IsdOptions(24, stride=n, temperature=t, top_p=p, seed=s))
+    engine.run_until_idle()
+    greedy_ar = {len(p): g.tokens for p, g in zip(prompts, causal_reference(model, prompts, 1, 0.0, 1.0,
+                                                                              [0] * 3, vocab))}
+    total = 0
+    for rid, handle in handles.items():
+        fin = [e for e in engine.drain(handle) if isinstance(e, IsdFinishEvent)][0]
+        ref = refs[rid]
+        hit = sorted(set(ref.tokens + fin.output_tokens) & set(never))
+        assert not hit, f"seed={seed} {kind} {rid}: never-output ids {hit} were sampled"
+        assert fin.output_tokens == ref.tokens, f"seed={seed} {kind} {rid}: engine {fin.output_tokens} != {ref.tokens}"
+        total += len(fin.output_tokens)
+        if "T0.0" in rid:   # greedy ISD still equals greedy AR with the bans in place
+            assert ref.tokens == greedy_ar[int(rid.split("-L")[1].split("-")[0])], f"seed={seed} {kind} {rid}"
+    assert total >= 8 * len(handles), f"seed={seed} {kind}: too few tokens decoded ({total}) to mean anything"
+
+
+def test_without_the_tokenizer_vocabulary_the_padding_rows_would_be_sampled():
+    """The control that shows the causal test above can fail: the same biased lag model decoded
+    without the tokenizer's vocabulary size bans only the mask, and the padding rows win."""
+    seed = fresh_seed()
+    model, vocab = biased_lag(seed)
+    gens = generate_ar_batch(model, [[1, 2, 3]], 8, 0.0)
+    assert set(gens[0].tokens) == {62}, f"seed={seed}: {gens[0].tokens}"
+    assert never_output_ids(model.cfg, vocab) == [60, 61, 62, 63]
+
+
+def test_causal_never_output_ids_never_include_a_stop_id():
+    from cde.qwen3.make_tiny import CONFIG as IDLM_TINY
+
+    tiny = preset("tiny")   # bos 509 (not a stop), eos 510, mask 511
+    assert never_output_ids(tiny) == [509, 511]
+    assert never_output_ids(tiny, 505) == [505, 506, 507, 508, 509, 511]   # eos 510 stays samplable
+    assert never_output_ids(IDLM_TINY, 260) == [IDLM_TINY.mask_token_id]   # its BOS is a stop id
