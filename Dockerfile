@@ -22,6 +22,7 @@ COPY worker_svc ./worker_svc
 COPY steering_svc ./steering_svc
 COPY attribution_svc ./attribution_svc
 COPY models/steerling-tiny ./models/steerling-tiny
+COPY models/steerling-small ./models/steerling-small
 
 # The tokenizer's BPE file, sha256-checked against cde.steerling.tokenizer.CL100K_SHA256 (nothing
 # is downloaded at run time). A checkpoint's own cl100k_base.tiktoken is not needed.

@@ -37,7 +37,10 @@ from cde.model_family import CAUSAL, model_family
 from cde.redis_util import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = ROOT / "models" / "steerling-tiny"
+TINY_MODEL = ROOT / "models" / "steerling-tiny"
+# The bundled trained model (models/steerling-small); the random tiny one where it is absent.
+DEFAULT_MODEL = (ROOT / "models" / "steerling-small") if (ROOT / "models" / "steerling-small" / "config.json").exists() \
+    else TINY_MODEL
 DEFAULT_HTTP_PORT = 8000    # the gateway's ports when free (compose publishes the same two)
 DEFAULT_GRPC_PORT = 50050
 
@@ -227,19 +230,30 @@ def port_if_free(port: int) -> int:
         return port if s.connect_ex(("127.0.0.1", port)) != 0 else 0
 
 
-def client_hint(base_url: str, causal: bool) -> list[str]:
+def demo_concept(model_dir: str | Path) -> str:
+    """A concept the model's catalog has to steer the demo toward: the trained models' "sea"
+    setting, else the synthetic catalog's "ocean"."""
+    from cde.steerling.catalog import ConceptCatalog
+    from cde.steerling.config import SteerlingConfig
+
+    cfg = SteerlingConfig.load(model_dir)
+    catalog = ConceptCatalog.load(model_dir, cfg.n_known, cfg.n_discovered)
+    return "sea" if catalog.by_name("sea") is not None else "ocean"
+
+
+def client_hint(base_url: str, causal: bool, concept: str = "sea") -> list[str]:
     """Arguments after ``python`` of a CLI request this stack's model family accepts: a causal
     model has no concepts (steering and attribution are refused) but takes decode.stride."""
     cmd = ["-m", "cde.client", "--url", base_url, "generate", "Tell me about the sea"]
-    return cmd + (["--stride", "4", "--temperature", "0"] if causal else ["--steer", "ocean", "--attribution", "chunks"])
+    return cmd + (["--stride", "4", "--temperature", "0"] if causal else ["--steer", concept, "--attribution", "chunks"])
 
 
-def demo_request(base_url: str, causal: bool = False) -> dict:
+def demo_request(base_url: str, causal: bool = False, concept: str = "sea") -> dict:
     body = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 64, "seed": 1}
     if causal:
         body["decode"] = {"stride": 4}
     else:
-        body.update(attribution="chunks", steering={"concepts": [{"name": "ocean"}], "mode": "amplify"})
+        body.update(attribution="chunks", steering={"concepts": [{"name": concept}], "mode": "amplify"})
     req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -268,15 +282,17 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
     try:
         stack.start()
+        concept = "" if stack.causal else demo_concept(args.model_dir)
         print(f"\nready: REST {stack.base_url}/v1 (OpenAI-compatible), gRPC 127.0.0.1:{stack.ports['gateway_grpc']}"
-              f" (cde.v1.Generation)\n  try: .venv/bin/python {shlex.join(client_hint(stack.base_url, stack.causal))}\n",
+              f" (cde.v1.Generation), live view {stack.base_url}/ui\n"
+              f"  try: .venv/bin/python {shlex.join(client_hint(stack.base_url, stack.causal, concept))}\n",
               flush=True)
         if args.demo:
-            out = demo_request(stack.base_url, stack.causal)
+            out = demo_request(stack.base_url, stack.causal, concept)
             choice = out["choices"][0]
             print("demo request: POST /v1/chat/completions "
                   + ("(decode.stride 4: introspective strided decoding)" if stack.causal
-                     else "(steer: ocean, attribution: chunks)"))
+                     else f"(steer: {concept}, attribution: chunks)"))
             print(f"  text: {choice['message']['content']!r}")
             print(f"  finish: {choice['finish_reason']}, usage: {out.get('usage')}"
                   + (f", tokens/forward {out['cde'].get('tokens_per_forward')}, acceptance "

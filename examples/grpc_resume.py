@@ -22,9 +22,9 @@ async def main(target: str) -> None:
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         request = generate_pb2.GenerateRequest(
-            model="steerling-tiny", prompt="Once upon a time",
+            model="steerling-small", prompt="Once upon a time",
             decode=common_pb2.DecodeOptions(max_new_tokens=192, seed=1),
-            steering=common_pb2.SteeringRequest(concepts=[common_pb2.SteeringConcept(name="ocean")]),
+            steering=common_pb2.SteeringRequest(concepts=[common_pb2.SteeringConcept(name="sea")]),
             attribution=common_pb2.ATTRIBUTION_CHUNKS)
         request_id, blocks = "", {}
         async for event in stub.Generate(request, timeout=300):

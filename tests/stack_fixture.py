@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from cde.launch import DEFAULT_MODEL, ROOT, Service, Stack
+from cde.launch import ROOT, TINY_MODEL, Service, Stack
 from cde.redis_util import free_port
 from cde.rpc.v1 import worker_pb2, worker_pb2_grpc
 
@@ -34,7 +34,7 @@ PROMPT = "Tell me about the sea."
 
 def stack_args(run_dir: str | os.PathLike, *, workers: int = 1, scheduler_args: Sequence[str] = (),
                gateway_args: Sequence[str] = (), redis_url: str | None = None,
-               timeout: float = 240.0, model_dir: str | os.PathLike = DEFAULT_MODEL) -> argparse.Namespace:
+               timeout: float = 240.0, model_dir: str | os.PathLike = TINY_MODEL) -> argparse.Namespace:
     return argparse.Namespace(model_dir=str(model_dir), device="cpu", workers=workers, host="127.0.0.1",
                               http_port=free_port(), run_dir=str(run_dir), timeout=timeout,
                               scheduler_args=list(scheduler_args), gateway_args=list(gateway_args),

@@ -21,7 +21,7 @@ from cde.launch import Stack
 from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from cde.steerling.attribution import RawRecords, chunk_spans, token_attribution, model_lookups
 from cde.steerling.loading import load_model
-from cde.launch import DEFAULT_MODEL, ROOT
+from cde.launch import ROOT, TINY_MODEL as DEFAULT_MODEL
 
 pytestmark = pytest.mark.e2e
 

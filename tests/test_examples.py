@@ -51,7 +51,8 @@ def sse_payloads(text: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def steerling_stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("examples-stack")) as stack:
+    # the Quick start's model (the examples name it and its "sea" concept)
+    with running_stack(tmp_path_factory.mktemp("examples-stack"), model_dir=ROOT / "models" / "steerling-small") as stack:
         yield stack
 
 

@@ -31,7 +31,7 @@ import httpx
 import pytest
 import redis
 
-from cde.launch import DEFAULT_MODEL, grpc_serving
+from cde.launch import TINY_MODEL as DEFAULT_MODEL, grpc_serving
 from cde.rpc.internal_auth import TOKEN_FILE_ENV, TOKEN_MD
 from cde.rpc.v1 import (attribution_pb2, common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2,
                         scheduler_pb2_grpc, steering_pb2_grpc, worker_pb2, worker_pb2_grpc)

@@ -49,9 +49,9 @@ def test_quick_start_serves_the_demo_from_a_fresh_clone(tmp_path):
     assert proc.returncode == 0, f"start.sh exited {proc.returncode} {where}"
     assert (clone / ".venv" / "bin" / "python").exists(), where
     for line in ("gateway    healthy", "ready: REST http://127.0.0.1:", "(cde.v1.Generation)",
-                 "demo request: POST /v1/chat/completions (steer: ocean, attribution: chunks)",
-                 "  text: ", "  finish: length", "  chunk [", "stopping ..."):
+                 "demo request: POST /v1/chat/completions (steer: sea, attribution: chunks)",
+                 "  text: ", "  finish: ", "  chunk [", "stopping ..."):
         assert line in out, f"missing {line!r} {where}"
-    assert "--steer ocean --attribution chunks" in out, where
+    assert "--steer sea --attribution chunks" in out, where
     left = sorted(p.name for p in tmpdir.iterdir())
     assert not [n for n in left if n.startswith("cde-run-")], f"the launcher left its run directory: {left}"

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from cde import limits as L
-from cde.launch import DEFAULT_MODEL, ROOT
+from cde.launch import ROOT, TINY_MODEL as DEFAULT_MODEL
 from cde.rpc import channel_options
 from cde.rpc.v1 import (common_pb2, generate_pb2, generate_pb2_grpc, steering_pb2, steering_pb2_grpc, worker_pb2,
                         worker_pb2_grpc)
