@@ -167,8 +167,8 @@ def test_build_steering_equals_in_process_prepare(model, catalog):
 
     music = catalog.by_name("music").concept_id
     cases = [
-        # amplify, defaults: layer 8 clamped to the tiny model's 4 layers
-        (common_pb2.SteeringRequest(concepts=[concept("ocean")]), SteeringSpec.amplify([0], 8.0, 4, 32), None),
+        # amplify, defaults: the preset's layer 8 of 32 scaled to the tiny model's 4 layers: 1
+        (common_pb2.SteeringRequest(concepts=[concept("ocean")]), SteeringSpec.amplify([0], 8.0, 1, 32), None),
         # per-concept strengths weigh the direction; overrides of the preset
         (common_pb2.SteeringRequest(concepts=[concept("Ocean", 2.0), concept(2, 0.5), concept("song")],
                                     target=5.5, inject_layer=2, cutoff_tokens=10,
