@@ -73,6 +73,14 @@ WRITER_KEYS = (
 INSTRUCT_KEYS = ("start_header_id", "end_header_id", "eot_id")
 
 
+@pytest.fixture(autouse=True)
+def _directory_bpe_only(monkeypatch):
+    """These directories carry a synthetic BPE table with cl100k's id layout (the package's side
+    uses the same table): CDE_CL100K_BPE, which the test command sets to the real file, would
+    give our side the real ranks instead."""
+    monkeypatch.delenv("CDE_CL100K_BPE", raising=False)
+
+
 def fresh_seed() -> int:
     return random.SystemRandom().randrange(1 << 30)
 
