@@ -128,7 +128,7 @@ def test_gateway_model_card_uses_it(tmp_path: Path) -> None:
     from gateway.pipeline import ModelCard
 
     cfg = TINY.__class__(**{**TINY.__dict__, "vocab_size": 8192, "eos_id": 0, "pad_id": 1, "bos_id": 2,
-                            "endofchunk_id": 3, "mask_id": 4, "eot_id": 7, "tokenizer": {"kind": "tokenizer_json"}})
+                            "endofchunk_id": 3, "mask_id": 4, "start_header_id": 5, "end_header_id": 6, "eot_id": 7, "tokenizer": {"kind": "tokenizer_json"}})
     cfg.save(tmp_path)
     shutil.copy(TOKENIZER, tmp_path / "tokenizer.json")
     card = ModelCard.load(tmp_path)
