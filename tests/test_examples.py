@@ -93,7 +93,8 @@ def test_openai_client_example(steerling_stack):
 def test_cli_example(steerling_stack):
     out = run_example("cli.sh", stack_env(steerling_stack)).stdout
     assert out.count("[finish: ") == 2, out[-2000:]
-    assert "[chunk " in out and "Known: " in out, out[-2000:]
+    # each chunk's top concepts, by head (steerling-small's chunks are often led by discovered concepts)
+    assert "[chunk " in out and ("Known: " in out or "Discovered: " in out), out[-2000:]
     assert re.search(r"^\s*\d+\s+known\s+ocean", out, re.M), out[-2000:]  # concepts oce
 
 

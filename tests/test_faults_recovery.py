@@ -442,7 +442,8 @@ def test_launcher_restarts_a_killed_worker_and_its_requests_finish_elsewhere(tmp
     from cde.redis_util import free_port
 
     http_port = free_port()
-    cmd = [sys.executable, "-m", "cde.launch", "--workers", "2", "--http-port", str(http_port),
+    cmd = [sys.executable, "-m", "cde.launch", "--model-dir", str(DEFAULT_MODEL), "--workers", "2",
+           "--http-port", str(http_port),
            "--run-dir", str(tmp_path / "run"), "--timeout", "240"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
