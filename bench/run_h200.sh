@@ -11,6 +11,7 @@
 #   bash bench/run_h200.sh isd-ablation # I-DLM-8B at C=1, 32 without overlapped steps (what overlap saves)
 #   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
 #   bash bench/run_h200.sh train-all       # both bundled models (idlm-small beside steerling-small + its eval)
+#   bash bench/run_h200.sh eval-idlm       # idlm-8b ISD bench, then idlm-small's full evaluation with H200 speed
 #   bash bench/run_h200.sh anchor      # the public reference (bench/anchor_steerling_ref.py)
 #
 # `anchor` needs the public `steerling` 0.2.0 package: installed, or its wheel and pydantic's
@@ -82,6 +83,15 @@ case "$stage" in
     rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet"
     (cd "$OUT" && tar cf - steerling-small idlm-small | split -b 15M - bundles.tar.part- && rm -rf steerling-small idlm-small)
     tail -n 5 "$OUT/train-steerling-small-$short.log" "$OUT/train-idlm-small-$short.log"; ls -la "$OUT" ;;
+  eval-idlm)
+    # idlm-small's evaluation on the GPU (losses, alpha, TPF tables, greedy equality, R-ISD
+    # distribution test, tok/s at C = 1, 32, 64) with its 8B projection taken from the idlm-8b
+    # bench of this same run.
+    python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,32,64 --strides 4,1 \
+      --out "$OUT/isd-idlm-8b-h200-$short.json" 2>&1 | grep -v Warning > "$OUT/isd-idlm-8b-h200-$short.txt"
+    python3 -u -m train.eval_idlm --model-dir models/idlm-small --device cuda --speed --seed "${EVAL_SEED:-4242}" \
+      --bench-8b "$OUT/isd-idlm-8b-h200-$short.json" --out "$OUT/eval-idlm-small-h200-$short.json" \
+      --card-out "$OUT/README.md" 2>&1 | grep -v Warning | tee "$OUT/eval-idlm-small-h200-$short.log" ;;
   anchor)
     python3 bench/anchor_steerling_ref.py 2>&1 | tee "$OUT/anchor-steerling-ref-h200-$short.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
