@@ -26,10 +26,11 @@ from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
 BUNDLE = Path(os.environ.get("CDE_IDLM_SMALL_DIR") or Path(__file__).resolve().parents[1] / "models" / "idlm-small")
 PROMPTS = 4
 NEW_TOKENS = 48
-# Tokens per forward at N = 4, T = 0 on these prompts must stay above this. The trained
-# bundle measures more (README.md of the bundle); the floor only catches a broken
-# conversion or loader (an untrained or unmerged model gives about 1.0).
-TPF_FLOOR = 1.8
+# Tokens per forward at N = 4, T = 0 on these 4 prompts x 48 tokens must stay above this. The
+# committed bundle gives exactly 2.00 here (greedy, float64: deterministic) and 2.12 on the full
+# held-out evaluation (bench/results/eval-idlm-small-h200-897db5b.json); an untrained or unmerged
+# conversion gives about 1.0, a weaker one falls below 1.9.
+TPF_FLOOR = 1.9
 
 pytestmark = [pytest.mark.parity, pytest.mark.skipif(not (BUNDLE / "model.safetensors").is_file(),
                                 reason="models/idlm-small is not committed yet (trained on the GPU machine: "

@@ -33,6 +33,7 @@ Writes the JSON (``--out``) and the model card ``README.md`` in the model direct
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import platform
 import subprocess
@@ -331,6 +332,14 @@ def write_card(path: Path, res: dict, tr: dict) -> Path:
         "",
         "Serve it: `python -m cde.launch --model-dir models/idlm-small --demo` (ISD with `decode.stride`).",
         "",
+        "Why a LoRA conversion: lossless R-ISD needs the unmodified base, so a full fine-tune would put two "
+        "copies of the weights in the 20 MB bundle; with a LoRA the base can be twice as large.",
+        "",
+        "Data: synthetic stories and ChatML chat pairs from `train/stories.py` (our own generator; sources and "
+        "licenses in `train/SOURCES.md`). Training: one H200 command, `bash bench/run_h200.sh train-all` "
+        "(`python -m train.train_idlm --out OUT/idlm-small --time-budget-s 520`); GPU evaluation: "
+        "`bash bench/run_h200.sh eval-idlm`.",
+        "",
         "## Figures (held-out text and prompts)",
         "",
         f"Measured by `python -m train.eval_idlm` on {res['device']} ({res['dtype']}) at commit {res['commit']}; "
@@ -461,6 +470,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 
 def _commit() -> str:
+    if os.environ.get("CDE_COMMIT"):   # bench/run_h200.sh names the commit (a device copy's git may be stale)
+        return os.environ["CDE_COMMIT"][:7]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               timeout=10).stdout.strip()
