@@ -20,6 +20,7 @@ whatever `top_k` is (and for a chunk, listed + other == the sum over all of its 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -67,20 +68,60 @@ EmbedFn = Callable[[Tensor], Tensor]
 LmRowsFn = Callable[[Tensor], Tensor]
 
 
+_DOT_CHUNK = 1 << 21   # float64 elements per product tile (16 MiB)
+
+
+def _row_dots(embed: Tensor, w_y: Tensor) -> Tensor:
+    """(n, k, D) . (n, D) -> (n, k) in float64, each dot product summed in one fixed order.
+
+    Not einsum/bmm: a BLAS picks its kernel (and summation order) by the row count, so a row's
+    result would change with the company it is computed in, by an ulp that float32 rounding
+    sometimes keeps. An elementwise product reduced over the last dim sums every row the same
+    way whatever n is; rows go in tiles to bound the temporary."""
+    n, k, d = embed.shape
+    rows = max(1, _DOT_CHUNK // max(1, k * d))
+    out = torch.empty(n, k, dtype=torch.float64)
+    for i in range(0, n, rows):
+        out[i:i + rows] = (embed[i:i + rows].double() * w_y[i:i + rows, None, :]).sum(-1)
+    return out
+
+
+def _sigmoid(logits: Tensor) -> Tensor:
+    """float64 sigmoid of each value by libm, so a value's result does not depend on the tensor
+    it sits in (torch's vectorized and scalar-tail exp paths differ by an ulp)."""
+    def one(v: float) -> float:
+        if v >= 0:
+            return 1.0 / (1.0 + math.exp(-v))
+        e = math.exp(v)
+        return e / (1.0 + e)
+    flat = [one(v) for v in logits.double().reshape(-1).tolist()]
+    return torch.tensor(flat, dtype=torch.float64).reshape(logits.shape)
+
+
+def _row_sums(x: Tensor) -> Tensor:
+    """(n, k) -> (n,), left to right over k: a reduction kernel may vectorize a short inner dim
+    across rows for one n and not another, which changes the order."""
+    acc = torch.zeros(x.shape[0], dtype=x.dtype)
+    for j in range(x.shape[1]):
+        acc = acc + x[:, j]
+    return acc
+
+
 @torch.no_grad()
 def token_attribution(records: RawRecords, known_embed: EmbedFn, disc_embed: EmbedFn,
                       lm_rows: LmRowsFn) -> TokenAttribution:
     """Contributions of every top-k concept to each committed token's logit (fp32 results,
-    accumulated in float64: see the module docstring)."""
+    accumulated in float64: see the module docstring). Every row is computed alone: its result
+    is the same to the bit in a block of 64, alone, or in any other company."""
     w_y = lm_rows(records.tokens).double()                                  # (n, D)
-    k_w = torch.sigmoid(records.known_logits.float())
-    k_contrib = k_w.double() * torch.einsum("nkd,nd->nk", known_embed(records.known_idx).double(), w_y)
-    d_w = torch.sigmoid(records.disc_logits.float())
-    d_contrib = d_w.double() * torch.einsum("nkd,nd->nk", disc_embed(records.disc_idx).double(), w_y)
+    k_w = _sigmoid(records.known_logits.float())
+    k_contrib = k_w * _row_dots(known_embed(records.known_idx), w_y)
+    d_w = _sigmoid(records.disc_logits.float())
+    d_contrib = d_w * _row_dots(disc_embed(records.disc_idx), w_y)
     target = records.target_logits.float()
-    residual = target.double() - k_contrib.sum(-1) - d_contrib.sum(-1)
-    return TokenAttribution(records.known_idx, k_w, k_contrib.float(), records.disc_idx, d_w, d_contrib.float(),
-                            residual.float(), target)
+    residual = target.double() - _row_sums(k_contrib) - _row_sums(d_contrib)
+    return TokenAttribution(records.known_idx, k_w.float(), k_contrib.float(), records.disc_idx, d_w.float(),
+                            d_contrib.float(), residual.float(), target)
 
 
 def model_lookups(model) -> tuple[EmbedFn, EmbedFn, LmRowsFn]:
