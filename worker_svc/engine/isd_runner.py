@@ -1,6 +1,6 @@
 """Device side of one ISD engine step: paged forward over query windows, proposals, verify.
 
-Why its own runner: the Steerling runner (``runner.py``) works on 64-token block rows with
+Why its own runner: the Steerling runner (``steerling_runner.py``) works on 64-token block rows with
 block-causal attention; ISD on a causal Qwen3 model works on short query windows (1 token
 for AR, 2N-1 for stride N, up to 64 for a prompt chunk) with plain causal attention. One
 step here is, for R rows padded to a common query length Q:
@@ -36,12 +36,10 @@ results come back packed as one int64 tensor: one device-to-host copy per step.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from cde.isd.decoder import (STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREAM_SAMPLE, ban_, draw, inverse_cdf,
@@ -49,11 +47,11 @@ from cde.isd.decoder import (STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREA
 from cde.isd.verify import onehot_logits, verify_torch
 from cde.qwen3.model import Qwen3Model
 from cde.steerling.sampling import counter_uniform
+from cde.blocks import PAGE
 from cde.regional import Kernels
-from worker_svc.engine import paged_attention
-from worker_svc.engine.kv_cache import KVCache, additive_mask
-
-PAGE = 64
+from worker_svc.engine.attention import PagedKernelUse, query_windows_attend
+from worker_svc.engine.kv_cache import KVCache
+from worker_svc.engine.layouts import IsdCarry, IsdResultLayout
 
 # the sampler's pure functions (IsdEngine._compile swaps in compiled ones): counter_uniform is
 # ~60 int64 elementwise ops eager (five hash rounds) and a step calls it 4 times; one kernel compiled
@@ -68,7 +66,7 @@ VerifyFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tu
 
 
 @dataclass
-class IsdInputs:
+class IsdInputs:   # fields hold numpy arrays while the host builds them (IsdEngine._host_inputs)
     # ---- forward -------------------------------------------------------------------------
     tokens: Tensor       # (R, Q) long; padding queries hold any id
     positions: Tensor    # (R, Q) long absolute positions (RoPE and the causal mask)
@@ -93,11 +91,6 @@ class IsdInputs:
     # ---- overlapped steps (IsdRunner.advance) ----------------------------------------------
     n_drafts: Tensor     # (R,) long the request's stride - 1
     from_carry: Tensor   # (R,) bool the row's window is derived on the device from the last step's results
-
-
-# carry columns (IsdRunner.carry): what a step leaves for the next one to derive its windows from
-C_WIN_POS, C_VERIFY, C_FWD, C_CLEAN = 0, 1, 2, 3   # then K new drafts, n_accepted, correction
-CARRY_FIXED = 6
 
 
 def keep_mask_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -171,11 +164,6 @@ def greedy_verify(p_logits: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
     return n_acc, torch.where(n_acc < k, corr, torch.full_like(corr, -1))
 
 
-def pack(clean: Tensor, new_specs: Tensor, n_acc: Tensor, corr: Tensor) -> Tensor:
-    """The step's one result tensor: (R, K + 3) int64 [clean, K drafts, n_accepted, correction]."""
-    return torch.cat([clean[:, None], new_specs, n_acc.long()[:, None], corr.long()[:, None]], dim=1)
-
-
 def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
     """The inputs of an overlapped step: rows with ``from_carry`` get the window the host would
     build after applying the last step's results (``carry``, row for row the same requests),
@@ -192,14 +180,16 @@ def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
     k = inp.drafts.shape[1]
     dev = inp.tokens.device
     c = carry[:r]
-    was_verify = c[:, C_VERIFY] != 0
+    res = c[:, IsdCarry.RESULTS:]                 # the last step's IsdResultLayout(k) columns
+    lay = IsdResultLayout(k)
+    was_verify = c[:, IsdCarry.VERIFY] != 0
     nk = inp.n_drafts
-    n_acc, corr = c[:, CARRY_FIXED - 2 + k], c[:, CARRY_FIXED - 1 + k]
+    n_acc, corr = res[:, lay.n_accepted], res[:, lay.correction]
     a = torch.minimum(n_acc, nk)
     rejected = was_verify & (a < nk)
     verify = ~rejected & (nk > 0)
-    start = c[:, C_WIN_POS] + 1 + torch.where(was_verify, a, torch.zeros_like(a))
-    pending = torch.where(rejected, corr, c[:, C_CLEAN])
+    start = c[:, IsdCarry.WIN_POS] + 1 + torch.where(was_verify, a, torch.zeros_like(a))
+    pending = torch.where(rejected, corr, res[:, lay.CLEAN])
     n = nk + 1
     length = torch.where(verify, 2 * n - 1, n)
     n_clean = torch.where(verify, n, torch.ones_like(n))
@@ -208,7 +198,7 @@ def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
     tokens = torch.full_like(inp.tokens, mask_id)
     drafts = torch.zeros_like(inp.drafts)
     if k:
-        new_specs = c[:, C_CLEAN + 1:C_CLEAN + 1 + k]
+        new_specs = res[:, lay.drafts]
         drafts = torch.where(verify[:, None] & (torch.arange(k, device=dev)[None, :] < nk[:, None]), new_specs, 0)
         in_drafts = verify[:, None] & (j >= 1) & (j < n[:, None])
         tokens = torch.where(in_drafts, drafts.gather(1, (j - 1).clamp(0, k - 1).expand(r, q_len)), tokens)
@@ -231,7 +221,7 @@ def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
         mask_j0=torch.where(sel, torch.where(verify, n, 1), inp.mask_j0),
         verify_row=torch.where(sel, verify, inp.verify_row), drafts=torch.where(sel2, drafts, inp.drafts),
         greedy=inp.greedy, temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, seed=inp.seed,
-        fwd_index=torch.where(sel, c[:, C_FWD] + 1, inp.fwd_index), proposal=inp.proposal,
+        fwd_index=torch.where(sel, c[:, IsdCarry.FWD] + 1, inp.fwd_index), proposal=inp.proposal,
         n_drafts=inp.n_drafts, from_carry=inp.from_carry)
 
 
@@ -262,12 +252,23 @@ class IsdRunner:
         self.verify_fn = verify_fn or default_verify(dev)
         # each step's rows' window start, kind, forward count and results, for `advance` (one
         # fixed buffer: every CUDA graph reads and writes the same one)
-        self.carry = torch.zeros(max_rows, CARRY_FIXED + max_drafts, dtype=torch.int64, device=dev)
+        self.carry = torch.zeros(max_rows, IsdCarry.width(max_drafts), dtype=torch.int64, device=dev)
         self.mask_id = self.cfg.mask_token_id if self.cfg.mask_token_id is not None else 0
         self.kernels = Kernels(SAMPLER_FUNCTIONS)
         # Triton attention over the pages for decode windows (CUDA, bf16/fp16); else gather + SDPA
-        self.use_paged_attention = True
-        self.paged_calls = 0
+        self.paged_kernel = PagedKernelUse()
+
+    @property
+    def use_paged_attention(self) -> bool:
+        return self.paged_kernel.enabled
+
+    @use_paged_attention.setter
+    def use_paged_attention(self, on: bool) -> None:
+        self.paged_kernel.enabled = on
+
+    @property
+    def paged_calls(self) -> int:
+        return self.paged_kernel.calls
 
     def uniforms(self, seed: Tensor, position: Tensor, step: Tensor, stream: int) -> Tensor:
         """counter_uniform through `kernels`, on flattened (equal-shape) tensors: one 1-D graph
@@ -278,43 +279,9 @@ class IsdRunner:
     # ---- 1. forward ---------------------------------------------------------------------
     def forward(self, inp: IsdInputs, window: int) -> Tensor:
         """Logits (R, window, V) at query indices read_start .. read_start + window - 1 (clamped)."""
-        cfg, kv = self.cfg, self.kv
         r, q_len = inp.tokens.shape
-        p = inp.pages.shape[1]
-        n_kv, hd = cfg.n_kv_heads, cfg.head_dim
         dev = inp.tokens.device
-        key_pos = torch.arange(p * PAGE, device=dev)
-        visible = (key_pos[None, None, :] <= inp.positions[:, :, None])[:, None]     # (R, 1, Q, P*64)
-        # flat (page, offset, head) row of every (row, query, head) K/V vector
-        heads = torch.arange(n_kv, device=dev)[None, None, :]
-        widx = (inp.write_idx[:, :, None] * n_kv + heads).reshape(-1)                # (R*Q*KV,)
-        flat_pages = inp.pages.reshape(-1)
-        masks: dict[torch.dtype, Tensor] = {}
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            kc, vc = kv.k[layer], kv.v[layer]                                          # (pages, 64, KV, hd)
-            kc.view(-1, hd).index_copy_(0, widx, k.transpose(1, 2).reshape(-1, hd).to(kc.dtype))
-            vc.view(-1, hd).index_copy_(0, widx, v.transpose(1, 2).reshape(-1, hd).to(vc.dtype))
-            if self.use_paged_attention and paged_attention.supported(q):
-                # decode windows on the GPU: read the pages in place (no gather, no mask)
-                try:
-                    out = paged_attention.paged_attention(q, kc, vc, inp.pages, inp.positions)
-                    self.paged_calls += 1
-                    return out
-                except Exception as exc:   # a Triton build this kernel does not compile on
-                    if self.paged_calls:
-                        raise
-                    self.use_paged_attention = False
-                    warnings.warn(f"paged attention kernel unavailable ({type(exc).__name__}: {exc}); "
-                                  "using gather + SDPA", stacklevel=2)
-            mask = masks.get(q.dtype)
-            if mask is None:
-                mask = masks[q.dtype] = additive_mask(visible, q.dtype)
-            keys = kc.index_select(0, flat_pages).view(r, p * PAGE, n_kv, hd).transpose(1, 2)
-            vals = vc.index_select(0, flat_pages).view(r, p * PAGE, n_kv, hd).transpose(1, 2)
-            return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
-                                                  enable_gqa=True)
-
+        attend = query_windows_attend(self.kv, inp.write_idx, inp.pages, inp.positions, self.paged_kernel)
         h = self.model.hidden_states(inp.tokens, inp.positions, attend, inp.gate)
         idx = (inp.read_start[:, None] + torch.arange(window, device=dev)[None, :]).clamp(max=q_len - 1)
         hw = h.gather(1, idx[..., None].expand(r, window, h.shape[-1]))
@@ -342,7 +309,7 @@ class IsdRunner:
         raw = logits[:, :k]
         if not sampling:
             n_acc, corr = greedy_verify(raw, inp.drafts)
-            return pack(clean_logits.argmax(-1), mlog.argmax(-1), n_acc, corr)
+            return IsdResultLayout.pack(clean_logits.argmax(-1), mlog.argmax(-1), n_acc, corr)
 
         greedy = inp.greedy
         temp = torch.where(greedy, torch.ones_like(inp.temperature), inp.temperature)
@@ -379,7 +346,7 @@ class IsdRunner:
         n_acc, corr = self.verify_fn(p_in, q_old, inp.drafts, vtemp, ua, ur, vgreedy)
         # the new drafts' q: read by the next step only if it is a verify step (rejection -> cold)
         q_table.index_copy_(0, inp.slot, new_q)
-        return pack(clean, new_specs, n_acc, corr)
+        return IsdResultLayout.pack(clean, new_specs, n_acc, corr)
 
     def step(self, inp: IsdInputs, window: int, filtered: bool = True, sampling: bool = True,
              overlapped: bool = False) -> Tensor:
@@ -394,6 +361,6 @@ class IsdRunner:
         logits = ban_(self.forward(inp, window), self.banned)
         packed = self.propose_and_verify(inp, logits, filtered, sampling)
         r = packed.shape[0]
-        state = torch.cat([inp.win_pos[:, None], inp.verify_row.long()[:, None], inp.fwd_index[:, None], packed], 1)
+        state = IsdCarry.pack(inp.win_pos, inp.verify_row, inp.fwd_index, packed)
         self.carry[:r, :state.shape[1]].copy_(state)
         return packed
