@@ -118,9 +118,9 @@ def already_finished(job: Job, cfg: SteerlingConfig) -> common_pb2.Finished | No
     stops = terminal_ids(cfg, job.options)
     out = clean_output(job.committed, cfg, stops)
     if any(t in stops for t in job.committed):
-        reason = common_pb2.FINISH_REASON_STOP
+        reason = finish_reason_value("stop")
     elif len(job.committed) >= job.options.max_new_tokens:
-        reason = common_pb2.FINISH_REASON_LENGTH
+        reason = finish_reason_value("length")
     else:
         return None
     return common_pb2.Finished(reason=reason, usage=usage(len(job.prompt), len(out), job.next_step))

@@ -142,7 +142,7 @@ class CausalFamily:
         if not writer.stopped:
             return None
         # resumed after the stop was stored: nothing left to generate
-        return common_pb2.Finished(reason=common_pb2.FINISH_REASON_STOP,
+        return common_pb2.Finished(reason=finish_reason_value("stop"),
                                    usage=isd_usage(len(job.prompt), writer.completion_tokens(), job.next_step, 0.0))
 
     def translator(self, job: Job) -> EventTranslator:

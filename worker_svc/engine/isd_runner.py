@@ -103,9 +103,9 @@ def keep_mask_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     v = logits.shape[-1]
     shape = (-1,) + (1,) * (logits.dim() - 1)
     x = logits.double() / temperature.double().view(shape)
-    k = top_k.view(shape)
-    kth = x.sort(dim=-1, descending=True).values.gather(-1, (k - 1).clamp(0, v - 1).expand(*x.shape[:-1], 1))
-    keep = ((k <= 0) | (k >= v)) | (x >= kth)
+    top_k_col = top_k.view(shape)
+    kth = x.sort(dim=-1, descending=True).values.gather(-1, (top_k_col - 1).clamp(0, v - 1).expand(*x.shape[:-1], 1))
+    keep = ((top_k_col <= 0) | (top_k_col >= v)) | (x >= kth)
     tp = top_p.double().view(shape)
     probs = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -152,16 +152,16 @@ def greedy_verify(p_logits: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
     best = argmax of the float32 p logits (first index on ties); n_accepted = the leading drafts
     equal to it; correction = best at the first rejection, -1 when all were accepted. Rows that
     are not verify rows (drafts 0) get the same rule, as the full path's greedy dummies do."""
-    r, k = drafts.shape
-    if k == 0:
+    r, max_drafts = drafts.shape
+    if max_drafts == 0:
         return (torch.zeros(r, dtype=torch.int64, device=drafts.device),
                 torch.full((r,), -1, dtype=torch.int64, device=drafts.device))
     # verify_torch compares float32 logits: wider logits are rounded first (rounding can make
     # ties), narrower ones convert exactly, so their argmax is taken without the copy
     best = (p_logits if p_logits.dtype in _EXACT_IN_F32 else p_logits.float()).argmax(-1)    # (R, K)
     n_acc = torch.cumprod((drafts == best).long(), dim=-1).sum(-1)
-    corr = best.gather(1, n_acc.clamp(max=k - 1)[:, None]).squeeze(1)
-    return n_acc, torch.where(n_acc < k, corr, torch.full_like(corr, -1))
+    corr = best.gather(1, n_acc.clamp(max=max_drafts - 1)[:, None]).squeeze(1)
+    return n_acc, torch.where(n_acc < max_drafts, corr, torch.full_like(corr, -1))
 
 
 def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
@@ -177,11 +177,11 @@ def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
     and the fields are what IsdEngine._host_inputs builds from it (tests/test_isd_engine.py
     compares them field by field)."""
     r, q_len = inp.tokens.shape
-    k = inp.drafts.shape[1]
+    max_drafts = inp.drafts.shape[1]
     dev = inp.tokens.device
     c = carry[:r]
-    res = c[:, IsdCarry.RESULTS:]                 # the last step's IsdResultLayout(k) columns
-    lay = IsdResultLayout(k)
+    res = c[:, IsdCarry.RESULTS:]                 # the last step's IsdResultLayout(max_drafts) columns
+    lay = IsdResultLayout(max_drafts)
     was_verify = c[:, IsdCarry.VERIFY] != 0
     nk = inp.n_drafts
     n_acc, corr = res[:, lay.n_accepted], res[:, lay.correction]
@@ -197,11 +197,11 @@ def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
     real = j < length[:, None]
     tokens = torch.full_like(inp.tokens, mask_id)
     drafts = torch.zeros_like(inp.drafts)
-    if k:
+    if max_drafts:
         new_specs = res[:, lay.drafts]
-        drafts = torch.where(verify[:, None] & (torch.arange(k, device=dev)[None, :] < nk[:, None]), new_specs, 0)
+        drafts = torch.where(verify[:, None] & (torch.arange(max_drafts, device=dev)[None, :] < nk[:, None]), new_specs, 0)
         in_drafts = verify[:, None] & (j >= 1) & (j < n[:, None])
-        tokens = torch.where(in_drafts, drafts.gather(1, (j - 1).clamp(0, k - 1).expand(r, q_len)), tokens)
+        tokens = torch.where(in_drafts, drafts.gather(1, (j - 1).clamp(0, max_drafts - 1).expand(r, q_len)), tokens)
     tokens = torch.where(j == 0, pending[:, None], tokens)
     tokens = torch.where(real, tokens, 0)                                  # padding queries: 0, as the host pads
     positions = start[:, None] + j
@@ -297,16 +297,16 @@ class IsdRunner:
         vocabulary filters, no q-table write (a greedy request never reads its q), and verify
         is `greedy_verify` instead of ``verify_fn``; the packed result is the same."""
         r, w, v = logits.shape
-        k = inp.drafts.shape[1]
+        max_drafts = inp.drafts.shape[1]
         dev = logits.device
         rows = torch.arange(r, device=dev)
         # clean token at absolute position win_pos + clean_j + 1
         clean_logits = logits[rows, inp.clean_j]                                        # (R, V)
         # K new drafts from the mask logits (window indices mask_j0 .. mask_j0 + K - 1)
-        mask_j = (inp.mask_j0[:, None] + torch.arange(k, device=dev)[None, :]).clamp(max=w - 1)
+        mask_j = (inp.mask_j0[:, None] + torch.arange(max_drafts, device=dev)[None, :]).clamp(max=w - 1)
         mlog = logits[rows[:, None], mask_j]                                            # (R, K, V)
         # last step's drafts s_i are verified against window index i - 1 (i = 1..K)
-        raw = logits[:, :k]
+        raw = logits[:, :max_drafts]
         if not sampling:
             n_acc, corr = greedy_verify(raw, inp.drafts)
             return IsdResultLayout.pack(clean_logits.argmax(-1), mlog.argmax(-1), n_acc, corr)
@@ -320,8 +320,8 @@ class IsdRunner:
         clean = torch.where(greedy, clean_logits.argmax(-1), drawn)
 
         scaled = scaled_rows(mlog, temp, inp.top_k, inp.top_p, filtered)
-        seed_k = inp.seed[:, None].expand(r, k)
-        u = self.uniforms(seed_k, inp.win_pos[:, None] + mask_j + 1, inp.fwd_index[:, None].expand(r, k),
+        seed_per_draft = inp.seed[:, None].expand(r, max_drafts)
+        u = self.uniforms(seed_per_draft, inp.win_pos[:, None] + mask_j + 1, inp.fwd_index[:, None].expand(r, max_drafts),
                             STREAM_PROPOSAL)
         sampled = draw_rows(scaled, u)
         top = scaled.argmax(-1)
@@ -336,10 +336,10 @@ class IsdRunner:
         if filtered:
             p_in = torch.where(greedy[:, None, None], p_in,
                                p_in.masked_fill(~keep_mask_rows(raw, temp, inp.top_k, inp.top_p), float("-inf")))
-        spos = inp.win_pos[:, None] + 1 + torch.arange(k, device=dev)[None, :]
-        ua = self.uniforms(seed_k, spos, torch.zeros_like(spos), STREAM_ACCEPT)
-        ur = self.uniforms(seed_k, spos, torch.zeros_like(spos), STREAM_RESID)
-        q_table = self.q_table.narrow(1, 0, k)
+        spos = inp.win_pos[:, None] + 1 + torch.arange(max_drafts, device=dev)[None, :]
+        ua = self.uniforms(seed_per_draft, spos, torch.zeros_like(spos), STREAM_ACCEPT)
+        ur = self.uniforms(seed_per_draft, spos, torch.zeros_like(spos), STREAM_RESID)
+        q_table = self.q_table.narrow(1, 0, max_drafts)
         q_old = q_table.index_select(0, inp.slot)
         vgreedy = greedy | ~inp.verify_row
         vtemp = torch.where(vgreedy, torch.zeros_like(temp), temp).float()

@@ -146,7 +146,7 @@ class SteerlingEngine(EngineRuntime):
             for tokens_per_step in TOKENS_PER_STEP_BUCKETS:
                 if tokens_per_step > self.cfg.diff_block_size:
                     continue
-                self._run_throwaway([(f"__warmup_{n_rows}_{tokens_per_step}_{i}", [1] * (64 * (i % 2) + 3),
+                self._run_throwaway([(f"__warmup_{n_rows}_{tokens_per_step}_{i}", [1] * (BLOCK * (i % 2) + 3),
                                       DecodeOptions(min(max_new_tokens, 128), tokens_per_step=tokens_per_step))
                                      for i in range(n_rows)])
         self.freeze_heap()
