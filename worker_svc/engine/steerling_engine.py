@@ -63,10 +63,6 @@ class BlockRequest(TrackedRequest):
     block_records: list = field(default_factory=list)
     pending_commit: bool = False     # active block finished; write its final K/V next step
 
-    @property
-    def first_block(self) -> int:
-        return len(self.prompt) // BLOCK
-
     def block_range(self, b: int) -> tuple[int, int]:
         return b * BLOCK, min((b + 1) * BLOCK, self.gen_end)
 
