@@ -3,7 +3,7 @@ at Steerling-8B dimensions with random bf16 weights on this GPU (docs/BENCHMARKS
 
 Prints tok/s for batch 1 and 4, with and without the attribution callback path.
 `bash bench/run_h200.sh anchor` runs it; merge its log into an engine JSON with
-`python -m worker_svc.bench --merge-reference <log> --out bench/results/<engine>.json`.
+`python -m bench.steerling --merge-reference <log> --out bench/results/<engine>.json`.
 
 Where the GPU machine cannot reach a package registry, bring the `steerling` wheel and
 pydantic's wheels (pydantic, pydantic-core, annotated-types, typing-inspection, for the

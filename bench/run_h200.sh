@@ -20,7 +20,7 @@
 # bench/results/ with the command that made them. CDE_COMMIT names the commit the results are
 # filed under (default: git rev-parse HEAD; set it where the copy has no .git). Merge an anchor
 # log into an engine JSON with
-#   python -m worker_svc.bench --merge-reference <log> --out bench/results/<engine>.json
+#   python -m bench.steerling --merge-reference <log> --out bench/results/<engine>.json
 set -euo pipefail
 stage="${1:?stage: gpu-tests | steerling | long | ablation | isd | isd-sampled | isd-ablation | anchor}"
 OUT="${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/cde-bench-XXXXXX")}"
@@ -39,22 +39,22 @@ case "$stage" in
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_isd_engine.py tests/test_isd.py tests/test_paged_attention.py \
       2>&1 | tee "$OUT/gpu-tests-$short.txt" ;;
   steerling)
-    python3 -m worker_svc.bench --preset steerling-8b --long-run "" --profile 1,32 \
+    python3 -m bench.steerling --preset steerling-8b --long-run "" --profile 1,32 \
       --out "$OUT/engine-steerling-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/engine-steerling-8b-h200-$short.txt" ;;
   long)
-    python3 -m worker_svc.bench --preset steerling-8b --concurrency "" --off-concurrency "" --long-run 64x1024 \
+    python3 -m bench.steerling --preset steerling-8b --concurrency "" --off-concurrency "" --long-run 64x1024 \
       --out "$OUT/engine-steerling-8b-h200-$short-long.json" 2>&1 | grep -v Warning ;;
   ablation)
-    python3 -m worker_svc.bench --preset steerling-8b --concurrency 1,16 --off-concurrency "" --long-run "" \
+    python3 -m bench.steerling --preset steerling-8b --concurrency 1,16 --off-concurrency "" --long-run "" \
       --no-overlap --out "$OUT/engine-steerling-8b-h200-$short-no-overlap.json" 2>&1 | grep -v Warning ;;
   isd)
-    python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,32,64 --strides 4,1 --profile 1,64 \
+    python3 -m bench.isd --preset idlm-8b --concurrency 1,32,64 --strides 4,1 --profile 1,64 \
       --out "$OUT/isd-idlm-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/isd-idlm-8b-h200-$short.txt" ;;
   isd-sampled)
-    python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,64 --strides 4,1 --temperature 1.0 --profile 1,64 \
+    python3 -m bench.isd --preset idlm-8b --concurrency 1,64 --strides 4,1 --temperature 1.0 --profile 1,64 \
       --out "$OUT/isd-idlm-8b-h200-$short-sampled.json" 2>&1 | grep -v Warning ;;
   isd-ablation)
-    python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,32 --strides 4,1 --no-overlap \
+    python3 -m bench.isd --preset idlm-8b --concurrency 1,32 --strides 4,1 --no-overlap \
       --out "$OUT/isd-idlm-8b-h200-$short-no-overlap.json" 2>&1 | grep -v Warning ;;
   train-steerling)
     # steerling-small: corpus (stories generated here + the committed prose), training, held-out

@@ -10,14 +10,14 @@ from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions, generate
 from worker_svc.engine.async_engine import AsyncEngine
-from worker_svc.engine.engine import BlockEvent, Engine, FinishEvent, StepEvent
+from worker_svc.engine.steerling_engine import BlockEvent, FinishEvent, SteerlingEngine, StepEvent
 
 VOCAB = 264
 
 
 def test_concurrent_streams_match_reference_and_close_cancels():
     model = SteerlingModel(TINY).init_random(11, std=0.05).to(torch.float64).eval()
-    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
     front = AsyncEngine(engine)
     front.start()
 

@@ -11,7 +11,7 @@ from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.sampling import SamplingParams
 from tests.oracle import assert_close_to_rounding
-from worker_svc.engine.engine import Engine, FinishEvent
+from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
 VOCAB = 264
@@ -25,7 +25,7 @@ def finish_of(engine, handle):
 def test_compiled_engine_matches_reference_and_never_recompiles_after_warmup():
     cfg = TINY.replace(n_layers=2)
     model = SteerlingModel(cfg).init_random(5, std=0.05).to(torch.float64).eval()
-    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=64, compile=True)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64, compile=True)
     engine.warmup()
     compiles = engine.compiles
     assert compiles >= 1

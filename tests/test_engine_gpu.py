@@ -8,7 +8,7 @@ import torch
 from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions
-from worker_svc.engine.engine import Engine, FinishEvent
+from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine
 
 pytestmark = pytest.mark.gpu
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_cuda_graph_engine_runs_and_frees_pages():
     model = SteerlingModel(TINY).init_random(3, std=0.05).to("cuda", torch.bfloat16).eval()
     model.rebuild_rope("cuda")
-    engine = Engine(model, tokenizer_vocab_size=264, n_pages=64, cuda_graphs=True)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=64, cuda_graphs=True)
     handles = [engine.submit(f"g{i}", list(range(10 + 50 * i)), DecodeOptions(80, seed=i)) for i in range(3)]
     engine.run_until_idle()
     for h in handles:
@@ -36,7 +36,7 @@ def test_cuda_graphs_overlap_and_compile_equal_the_reference_in_float64(compile_
 
     model = SteerlingModel(TINY.replace(n_layers=2)).init_random(11, std=0.05).to("cuda", torch.float64).eval()
     model.rebuild_rope("cuda")
-    engine = Engine(model, tokenizer_vocab_size=264, n_pages=64, cuda_graphs=True, compile=compile_)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=64, cuda_graphs=True, compile=compile_)
     jobs = [(list(range(1, 4 + 40 * i)), DecodeOptions(90, SamplingParams(), tokens_per_step=1 + i % 2, seed=i))
             for i in range(4)]
     handles = [engine.submit(f"p{i}", p, o) for i, (p, o) in enumerate(jobs)]

@@ -25,7 +25,8 @@ from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import SteeringSpec, prepare
 from tests.oracle import assert_same_topk
-from worker_svc.engine.engine import BlockEvent, Engine, FinishEvent, PinnedPairs, StepEvent
+from worker_svc.engine.steerling_engine import BlockEvent, FinishEvent, SteerlingEngine, StepEvent
+from worker_svc.engine.runtime import PinnedPairs
 
 pytestmark = pytest.mark.parity
 VOCAB = 264
@@ -75,7 +76,7 @@ def test_mixed_batch_with_steering_joins_and_k_per_step(overlap):
     (tokens from the device's block table); the output must not change."""
     seed = fresh_seed()
     model = make_model(seed)
-    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=64, overlap=overlap)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64, overlap=overlap)
     rng = random.Random(seed)
     submitted = {}
     specs = [  # prompt length, max new, steering, tokens per step, sampling
@@ -117,7 +118,7 @@ def test_overlapped_steps_survive_an_eot_that_ends_a_request_early():
         model = make_model(seed)
         with torch.no_grad():
             model.transformer.lm_head.weight[model.cfg.eot_id] *= 4.0
-        engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=64)
+        engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64)
         rng = random.Random(seed)
         submitted = {}
         for i, length in enumerate((3, 40, 64, 100)):
@@ -150,7 +151,7 @@ def test_preemption_with_a_tiny_page_pool_gives_the_same_output():
     seed = fresh_seed()
     model = make_model(seed, TINY.replace(eot_id=None))  # no early <|eot_id|>: every request runs to length
     # 7 usable pages; four requests each needing 3-4 pages at the end
-    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=8)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=8)
     rng = random.Random(seed)
     submitted = {}
     for i, (length, new) in enumerate([(70, 150), (10, 180), (64, 120), (100, 100)]):
@@ -168,7 +169,7 @@ def test_gqa_and_mqa_configs_match_too():
     cfg = TINY.replace(n_layers=2, n_embd=96, n_head=6, n_kv_heads=1, n_known=70, n_discovered=50,
                        topk_known=5, topk_discovered=7, concept_chunk=16)
     model = make_model(seed, cfg)
-    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
     submitted = {}
     for i, length in enumerate((5, 64, 77)):
         prompt = list(range(length))
@@ -180,7 +181,7 @@ def test_gqa_and_mqa_configs_match_too():
 
 def test_cancel_frees_pages_within_one_step():
     model = make_model(1)
-    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
     a = engine.submit("a", list(range(200)), DecodeOptions(300))
     b = engine.submit("b", list(range(30)), DecodeOptions(300))
     for _ in range(3):
@@ -199,7 +200,7 @@ def test_cancel_frees_pages_within_one_step():
 
 def test_requests_that_can_never_fit_fail_clearly():
     model = make_model(2)
-    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=3)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=3)
     h = engine.submit("big", list(range(200)), DecodeOptions(10))
     engine.run_until_idle()
     (fin,) = [e for e in engine.drain(h) if isinstance(e, FinishEvent)]
@@ -218,7 +219,7 @@ def test_fp32_paged_forward_equals_dense_reference_forward():
 
     seed = fresh_seed()
     model = make_model(seed, dtype=torch.float32)
-    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=64, overlap=False)   # inspects one planned step
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64, overlap=False)   # inspects one planned step
     rng = random.Random(seed)
     for i, length in enumerate((1, 63, 64, 65, 130)):
         engine.submit(f"f{i}", [rng.randrange(256) for _ in range(length)], DecodeOptions(100, seed=i))
@@ -264,7 +265,7 @@ def test_resume_from_committed_blocks_gives_the_same_output():
     first = ref.blocks[0]
     committed = ref.sequence[70:first.end]
     steps_done = sum(1 for s in ref.steps if s.block == first.block)
-    engine = Engine(model, tokenizer_vocab_size=VOCAB, n_pages=16)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=16)
     h = engine.submit("resumed", prompt, opts, committed=committed, next_step=steps_done)
     engine.run_until_idle()
     events = list(engine.drain(h))

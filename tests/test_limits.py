@@ -106,7 +106,7 @@ def test_sampling_defaults_match_the_model_sampler() -> None:
 
 def test_causal_worker_options_use_the_same_bounds() -> None:
     """The causal worker's option parsing (no stack: the causal stack is tests/test_causal_serving.py)."""
-    from worker_svc.causal import isd_options
+    from worker_svc.request_options import isd_options
     from worker_svc.validation import BadRequest
 
     def opts(**sampling: float):

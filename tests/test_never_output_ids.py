@@ -28,7 +28,7 @@ from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.sampling import SamplingParams, banned_ids
-from worker_svc.engine.engine import Engine, FinishEvent, StepEvent
+from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine, StepEvent
 from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
 
 pytestmark = pytest.mark.parity
@@ -84,7 +84,7 @@ def test_steerling_decoders_never_sample_the_mask_even_when_it_has_the_largest_l
     samplers = [SamplingParams(use_entropy_sampling=False, temperature=0.0),
                 SamplingParams(use_entropy_sampling=False, temperature=0.7, top_p=0.95),
                 SamplingParams(top_p=1.0)]   # entropy-adaptive temperature, no top-p cut
-    engine = Engine(model, tokenizer_vocab_size=STEERLING_VOCAB, n_pages=64)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=STEERLING_VOCAB, n_pages=64)
     submitted = {}
     for i, sp in enumerate(samplers):
         prompt = [rng.randrange(256) for _ in range(rng.choice((5, 40, 64)))]

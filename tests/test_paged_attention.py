@@ -1,4 +1,4 @@
-"""The Triton paged attention (worker_svc/engine/paged_attention.py) against the runner's gather +
+"""The Triton paged attention (worker_svc/engine/attention.py) against the runner's gather +
 SDPA path: under Triton's CPU interpreter (fp32, tight), compiled for sm_90 without a GPU, and on
 a GPU (bf16/fp16, and inside the ISD engine)."""
 
@@ -48,7 +48,7 @@ def reference(q, k_pool, v_pool, pages, positions):
 
 
 def interpreter_child() -> None:
-    from worker_svc.engine.paged_attention import paged_attention
+    from worker_svc.engine.attention import paged_attention
 
     worst = 0.0
     for seed, n_q in ((1, 1), (2, 3), (3, 7), (4, 8)):
@@ -75,7 +75,7 @@ def test_paged_attention_compiles_for_sm90():
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from worker_svc.engine.paged_attention import _kernel
+from worker_svc.engine.attention import _kernel
 jit = _kernel()
 consts = {"GROUP": 4, "M": 32, "D": 128, "PAGE": 64}
 assert {p.name for p in jit.params if p.is_constexpr} == set(consts), [p.name for p in jit.params if p.is_constexpr]
@@ -93,7 +93,7 @@ print(sorted(k.asm))
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and CUDA")
 def test_paged_attention_on_the_gpu_matches_sdpa_in_half_precision():
-    from worker_svc.engine.paged_attention import paged_attention, supported
+    from worker_svc.engine.attention import paged_attention, supported
 
     for dtype in (torch.bfloat16, torch.float16):
         for seed, n_q in ((11, 1), (12, 4), (13, 7), (14, 8)):

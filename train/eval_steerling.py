@@ -45,7 +45,7 @@ from cde.steerling.steering import AMPLIFY_TARGET, DEFAULT_CUTOFF, SteeringSpec,
 from train import steerling_data
 from train.steerling_objective import LossWeights, noisy_clean_mask, training_loss
 from train.train_steerling import to_batch
-from worker_svc.engine.engine import BlockEvent, Engine, FinishEvent
+from worker_svc.engine.steerling_engine import BlockEvent, FinishEvent, SteerlingEngine
 
 
 def log(msg: str) -> None:
@@ -112,7 +112,7 @@ def detection(model, data, device, batches: int, batch_size: int, seq_len: int, 
 def run_engine(model, requests: list[tuple[str, list[int], DecodeOptions, object]], tokenizer_vocab: int,
                max_slots: int = 64) -> dict[str, dict]:
     """Run requests to completion; per request its output ids, records and forwards."""
-    eng = Engine(model, tokenizer_vocab_size=tokenizer_vocab, max_slots=max_slots,
+    eng = SteerlingEngine(model, tokenizer_vocab_size=tokenizer_vocab, max_slots=max_slots,
                  n_pages=max_slots * 8 + 8, compile=False, cuda_graphs=False)
     out: dict[str, dict] = {}
     pending = list(requests)

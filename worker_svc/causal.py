@@ -1,9 +1,9 @@
-"""The worker's causal-model path: cde.v1.Worker over the ISD engine (I-DLM / Qwen3 layout).
+"""The worker's causal-model family: cde.v1.Worker over the ISD engine (I-DLM / Qwen3 layout).
 
-Same service, same stream shape as the Steerling path (worker_svc/service.py), different
-translation:
+Same service and `Submit` (service.py), same stream shape as the Steerling family
+(block_diffusion.py), different translation:
 
-* options: `decode.isd_stride` N (1 = plain AR, >= 2 = introspective strided decoding;
+* options (request_options.isd_options): `decode.isd_stride` N (1 = plain AR, >= 2 = introspective strided decoding;
   0 is read as 1), temperature and top_p (T = 0: greedy); block-diffusion knobs
   (tokens_per_step > 1, confidence threshold, entropy sampling, repetition penalty) and
   steering are refused with INVALID_ARGUMENT: a causal model has no concepts, and a penalty
@@ -20,37 +20,20 @@ translation:
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-
 import grpc
 
-from cde import limits as L
+from cde.blocks import BLOCK, pages_for
 from cde.qwen3.config import IDLM_8B, TINY, Qwen3Config
+from cde.rpc.finish import finish_reason_value
 from cde.rpc.v1 import common_pb2, worker_pb2
-from worker_svc.engine.isd_engine import (
-    IsdCommitEvent,
-    IsdEngine,
-    IsdFinishEvent,
-    IsdOptions,
-)
-from worker_svc.validation import BadRequest, check_sampling, check_stop_ids, checked_prompt, signed_seed
+from worker_svc.engine.events import IsdCommitEvent, IsdFinishEvent
+from worker_svc.engine.isd_engine import IsdEngine
+from worker_svc.engine.runtime import EngineStats
+from worker_svc.family import EventTranslator, Job
+from worker_svc.request_options import isd_options
+from worker_svc.validation import BadRequest, check_stop_ids, checked_prompt
 
-BLOCK = 64
 CHUNK_TOKENS = 16   # tokens per streamed chunk: latency vs one Redis write per chunk
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-           "cancelled": common_pb2.FINISH_REASON_CANCELLED, "error": common_pb2.FINISH_REASON_ERROR}
-
-
-@dataclass
-class CausalJob:
-    request_id: str
-    prompt: list[int]
-    options: IsdOptions
-    committed: list[int]
-    next_step: int
-    stop_ids: frozenset[int]
-    stream_steps: bool = False   # one StepEvent per forward (accepted drafts, bonus / correction)
 
 
 def causal_preset_name(cfg: Qwen3Config) -> str:
@@ -60,32 +43,8 @@ def causal_preset_name(cfg: Qwen3Config) -> str:
     return "custom"
 
 
-def isd_options(d: common_pb2.DecodeOptions, sp: common_pb2.SamplingOptions, max_stride: int) -> IsdOptions:
-    if d.max_new_tokens < 1:
-        raise BadRequest("decode.max_new_tokens must be >= 1 (the gateway resolves the default)")
-    if d.tokens_per_step > 1 or d.HasField("confidence_threshold"):
-        raise BadRequest("decode.tokens_per_step / confidence_threshold apply to block-diffusion models; "
-                               "a causal model uses decode.isd_stride")
-    stride = d.isd_stride or 1
-    if stride > max_stride:
-        raise BadRequest(f"decode.isd_stride must be in [1, {max_stride}] on this worker")
-    if sp.use_entropy_sampling:
-        raise BadRequest("sampling.use_entropy_sampling applies to block-diffusion models only")
-    if sp.HasField("repetition_penalty") and sp.repetition_penalty != 1.0:
-        raise BadRequest("sampling.repetition_penalty must be 1 for causal (ISD) decoding")
-    defaults = L.CAUSAL_SAMPLING
-    temperature = sp.temperature if sp.HasField("temperature") else defaults.temperature
-    top_p = sp.top_p if sp.HasField("top_p") else defaults.top_p
-    check_sampling(temperature, top_p, defaults.repetition_penalty)
-    if top_p == 0.0:   # the nucleus of mass 0 is the most likely token alone: greedy (as Steerling reads it)
-        temperature, top_p = 0.0, 1.0
-    seed = d.seed if d.HasField("seed") else 0
-    return IsdOptions(max_new_tokens=d.max_new_tokens, stride=stride, temperature=float(temperature),
-                      top_p=float(top_p), seed=signed_seed(seed), stop_ids=tuple(d.stop_ids))
-
-
 def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_limit: int, max_stride: int,
-                        pages_usable: int) -> CausalJob:
+                        pages_usable: int) -> Job:
     prompt = checked_prompt(req, token_limit, cfg.mask_token_id)
     if req.HasField("steering"):
         raise BadRequest("steering is not available for a causal model (it has no concepts)")
@@ -97,12 +56,13 @@ def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_li
     committed = list(req.committed_tokens)
     if any(t >= cfg.vocab_size for t in committed) or len(committed) >= options.max_new_tokens:
         raise BadRequest("committed_tokens must be vocabulary ids, fewer than max_new_tokens")
-    pages = -(-(len(prompt) + options.max_new_tokens + 2 * options.stride) // BLOCK)
+    pages = pages_for(len(prompt) + options.max_new_tokens + 2 * options.stride)
     if pages > pages_usable:
         raise BadRequest(f"the request needs {pages} KV pages; this worker has {pages_usable}",
                                grpc.StatusCode.RESOURCE_EXHAUSTED)
-    return CausalJob(req.request_id, prompt, options, committed, req.next_step,
-                     frozenset(cfg.eos_token_ids) | frozenset(req.decode.stop_ids), req.stream_steps)
+    return Job(request_id=req.request_id, prompt=prompt, options=options, committed=committed,
+               next_step=req.next_step, stream_steps=req.stream_steps,
+               stop_ids=frozenset(cfg.eos_token_ids) | frozenset(req.decode.stop_ids))
 
 
 def completion_length(tokens: list[int], stops: frozenset[int]) -> int:
@@ -115,7 +75,7 @@ class ChunkWriter:
     be shorter), so chunk i of a request always holds the same tokens and a resumed request
     (committed = the stored chunks) knows its next index: prompt // 64 + committed // chunk."""
 
-    def __init__(self, job: CausalJob, chunk_tokens: int = CHUNK_TOKENS):
+    def __init__(self, job: Job, chunk_tokens: int = CHUNK_TOKENS):
         self.job = job
         self.chunk_tokens = chunk_tokens
         self.tokens = list(job.committed)          # the completion so far (committed included)
@@ -147,7 +107,7 @@ class ChunkWriter:
         return completion_length(self.tokens, self.job.stop_ids)
 
 
-def forward_step(job: CausalJob, ev: IsdCommitEvent, chunk_tokens: int = CHUNK_TOKENS) -> common_pb2.StepEvent:
+def forward_step(job: Job, ev: IsdCommitEvent, chunk_tokens: int = CHUNK_TOKENS) -> common_pb2.StepEvent:
     """One forward's tokens at their absolute positions, with what it verified: the first
     `drafts_accepted` are accepted drafts, the next the bonus or the correction of `rejected_token`.
     block_index is the chunk the forward's first token lands in (ChunkWriter's numbering)."""
@@ -166,56 +126,49 @@ def isd_usage(prompt_tokens: int, completion_tokens: int, forwards: int, accepta
                             isd_acceptance=acceptance)
 
 
-async def causal_submit(servicer, request, context):
-    """`Worker.Submit` for a causal model: the events of one request, ending with Finished."""
-    engine: IsdEngine = servicer.engine
-    try:
-        job = parse_causal_submit(request, engine.cfg, servicer.token_limit, engine.max_stride,
-                                  engine.kv.pool.usable)
-    except BadRequest as e:
-        await context.abort(e.code, str(e))
-    if job.request_id in engine.requests:
-        await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {job.request_id!r} is running here")
-    if servicer.front.error is not None:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine failed: {servicer.front.error!r}")
-    writer = ChunkWriter(job)
-    if writer.stopped:   # resumed after the stop was stored: nothing left to generate
-        yield worker_pb2.WorkerEvent(finished=common_pb2.Finished(
-            reason=common_pb2.FINISH_REASON_STOP,
-            usage=isd_usage(len(job.prompt), writer.completion_tokens(), job.next_step, 0.0)))
-        return
-    stream = servicer.front.generate(job.request_id, job.prompt, job.options, None, job.committed, job.next_step)
-    async with contextlib.aclosing(stream):   # leaving early cancels the request in the engine
-        try:
-            async for ev in stream:
-                if isinstance(ev, IsdCommitEvent):
-                    if job.stream_steps:
-                        yield worker_pb2.WorkerEvent(step=forward_step(job, ev))
-                    writer.add(ev.tokens)
-                    for block in writer.chunks(ev.step, final=False):
-                        yield worker_pb2.WorkerEvent(block=block)
-                elif isinstance(ev, IsdFinishEvent):
-                    for block in writer.chunks(ev.stats.forwards, final=True):
-                        yield worker_pb2.WorkerEvent(block=block)
-                    yield worker_pb2.WorkerEvent(finished=common_pb2.Finished(
-                        reason=_FINISH.get(ev.reason, common_pb2.FINISH_REASON_ERROR),
-                        usage=isd_usage(len(job.prompt), writer.completion_tokens(), ev.stats.forwards,
-                                        ev.stats.acceptance), message=ev.error))
-                    return
-                left = context.time_remaining()
-                if left is not None and left <= 0:
-                    break
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RuntimeError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
-    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+class CausalFamily:
+    """family.ModelFamily for a causal (Qwen3 / I-DLM) worker."""
 
+    def __init__(self, engine: IsdEngine, token_limit: int):
+        self.engine = engine
+        self.token_limit = token_limit
 
-def causal_status(servicer) -> worker_pb2.WorkerStatus:
-    s = servicer.front.stats()
-    cfg: Qwen3Config = servicer.engine.cfg
-    return worker_pb2.WorkerStatus(
-        model=servicer.model_name, preset=causal_preset_name(cfg), dtype=servicer.dtype, device=servicer.device,
-        kv_pages_total=s.pages_total, kv_pages_free=s.pages_free, running=s.running, waiting=s.waiting,
-        steps=s.steps, compiles=s.compiles, vocab_size=servicer.token_limit, max_context=cfg.max_positions)
+    def parse(self, request: worker_pb2.WorkerSubmit) -> Job:
+        e = self.engine
+        return parse_causal_submit(request, e.cfg, self.token_limit, e.max_stride, e.kv.pool.usable)
+
+    def already_finished(self, job: Job) -> common_pb2.Finished | None:
+        writer = ChunkWriter(job)
+        if not writer.stopped:
+            return None
+        # resumed after the stop was stored: nothing left to generate
+        return common_pb2.Finished(reason=finish_reason_value("stop"),
+                                   usage=isd_usage(len(job.prompt), writer.completion_tokens(), job.next_step, 0.0))
+
+    def translator(self, job: Job) -> EventTranslator:
+        writer = ChunkWriter(job)
+
+        def translate(ev) -> list[worker_pb2.WorkerEvent]:
+            out = []
+            if isinstance(ev, IsdCommitEvent):
+                if job.stream_steps:
+                    out.append(worker_pb2.WorkerEvent(step=forward_step(job, ev)))
+                writer.add(ev.tokens)
+                out += [worker_pb2.WorkerEvent(block=block) for block in writer.chunks(ev.step, final=False)]
+            elif isinstance(ev, IsdFinishEvent):
+                out += [worker_pb2.WorkerEvent(block=block) for block in writer.chunks(ev.stats.forwards, final=True)]
+                out.append(worker_pb2.WorkerEvent(finished=common_pb2.Finished(
+                    reason=finish_reason_value(ev.reason),
+                    usage=isd_usage(len(job.prompt), writer.completion_tokens(), ev.stats.forwards,
+                                    ev.stats.acceptance), message=ev.error)))
+            return out
+
+        return translate
+
+    def status(self, stats: EngineStats, model_name: str, dtype: str, device: str) -> worker_pb2.WorkerStatus:
+        cfg: Qwen3Config = self.engine.cfg
+        return worker_pb2.WorkerStatus(
+            model=model_name, preset=causal_preset_name(cfg), dtype=dtype, device=device,
+            kv_pages_total=stats.pages_total, kv_pages_free=stats.pages_free, running=stats.running,
+            waiting=stats.waiting, steps=stats.steps, compiles=stats.compiles, vocab_size=self.token_limit,
+            max_context=cfg.max_positions)

@@ -130,10 +130,6 @@ class SteerlingConfig:
         """Known concepts whose embeddings make up the known features (package: `topk_features`)."""
         return self.topk_known_features if self.topk_known_features is not None else self.topk_known
 
-    @property
-    def default_inject_layer(self) -> int:
-        return self.n_layers // 2
-
     def replace(self, **changes: Any) -> SteerlingConfig:
         return dataclasses.replace(self, **changes)
 

@@ -1,4 +1,5 @@
-"""asyncio front of the engine: a background thread runs steps; coroutines get event streams.
+"""asyncio front of an engine (either decoder): a background thread runs steps; coroutines get
+event streams.
 
 The step loop runs in one thread (PyTorch releases the GIL inside kernels); each request's
 events are handed to its asyncio queue with `call_soon_threadsafe`. Closing a stream early
@@ -12,17 +13,19 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 
-from cde.steerling.reference_decoder import DecodeOptions
-from cde.steerling.steering import PreparedSteering
-from worker_svc.engine.engine import Engine, EngineStats, Event, FinishEvent, Request
+from typing import Any
+
+from worker_svc.engine.events import Event, FinishEvent
+from worker_svc.engine.request_table import TrackedRequest
+from worker_svc.engine.runtime import EngineRuntime, EngineStats
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineRuntime):
         self.engine = engine
         self._wake = threading.Condition()
         self._stop = False
-        self._streams: dict[str, tuple[Request, asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._streams: dict[str, tuple[TrackedRequest, asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
         self.error: BaseException | None = None
 
@@ -44,10 +47,11 @@ class AsyncEngine:
             self._wake.notify_all()
         return ok
 
-    async def generate(self, request_id: str, prompt: list[int], options: DecodeOptions,
-                       steering: PreparedSteering | None = None, committed: list[int] | None = None,
-                       next_step: int = 0) -> AsyncIterator[Event]:
-        """Submit and stream the request's events, ending with its FinishEvent."""
+    async def generate(self, request_id: str, prompt: list[int], options: Any, steering: Any = None,
+                       committed: list[int] | None = None, next_step: int = 0) -> AsyncIterator[Event]:
+        """Submit and stream the request's events, ending with its FinishEvent. `options` (and
+        `steering`) are the engine's own: DecodeOptions / PreparedSteering for SteerlingEngine,
+        IsdOptions (no steering) for IsdEngine."""
         if self.error is not None:
             raise RuntimeError(f"engine failed: {self.error!r}")
         loop = asyncio.get_running_loop()

@@ -2,9 +2,10 @@
 
 The reference decoders (``cde/isd/decoder.py``) recompute everything every forward; this
 engine runs the same step machine on a paged KV cache and batches all running requests into
-one forward per step, with the public surface of ``worker_svc.engine.engine.Engine``
-(``submit``, ``cancel``, ``has_work``, ``step``, ``stats``, ``warmup``, ``run_until_idle``,
-``drain``, ``requests``, per-request ``events``) so ``AsyncEngine`` wraps it unchanged.
+one forward per step. The step loop, the request table (admission, preemption, finishing),
+cancel, stats and the CUDA-graph cache are the shared runtime's (``runtime.EngineRuntime``,
+``request_table.RequestTable``); this module is the ISD strategy: which rows a step has, how
+their inputs are built and how their results are applied.
 
 A request's state is host-side: its tokens (``out[-1]`` is the pending token, the one
 without K/V yet), the drafts to verify next (or None: the next step is cold), its logical
@@ -50,7 +51,7 @@ Events (per request, in ``req.events``):
 The device step (``isd_runner.py``) has fixed shapes per (rows, pages, Q, K) bucket and two
 host-known flags: some sampled row uses top-k / top-p, and some row samples at all (a
 greedy-only step is argmaxes only: no draws, no q writes, no verify kernel);
-``cuda_graphs=True`` replays it through ``isd_graphs.py``, one graph per bucket and flags.
+``cuda_graphs=True`` replays it through ``graphs.GraphCache``, one graph per bucket and flags.
 
 Overlapped steps (``overlap=True``, the default): in steady decoding (nobody waiting, every
 running request on its decode window, none cancelled or sure to end this step, pages for the
@@ -71,28 +72,42 @@ reference keeps EOS) and tokens after it in the same step are dropped.
 from __future__ import annotations
 
 import itertools
-import threading
-from collections import deque
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from cde.blocks import PAGE, pages_for
 from cde.isd.decoder import PROPOSALS, DecodeStats, cut_at_stop
 from cde.qwen3.model import Qwen3Model
-from worker_svc.engine.engine import ROW_BUCKETS, FinishEvent, LaunchedStep, PinnedPairs, StepLoop, bucket
-from worker_svc.engine.isd_runner import PAGE, PROPOSAL_CODES, IsdInputs, IsdRunner, VerifyFn
+from worker_svc.engine.events import FinishEvent, IsdCommitEvent, IsdFinishEvent
+from worker_svc.engine.isd_runner import PROPOSAL_CODES, IsdInputs, IsdRunner, VerifyFn
 from worker_svc.engine.kv_cache import KVCache
+from worker_svc.engine.layouts import IsdResultLayout
+from worker_svc.engine.request_table import TrackedRequest
+from worker_svc.engine.runtime import ROW_BUCKETS, EngineRuntime, LaunchedStep, bucket, to_device
+
+__all__ = ["IsdCommitEvent", "IsdEngine", "IsdFinishEvent", "IsdOptions", "IsdRequest", "RowKind"]
 
 Q_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
-# row kinds (OVERLAPPED: a decode row of an overlapped step, its window derived on the device)
-PREFILL, FIRST, COLD, VERIFY, OVERLAPPED = "prefill", "first", "cold", "verify", "overlapped"
+
+class RowKind(StrEnum):
+    PREFILL = "prefill"         # prompt chunk (or recomputation after preemption): K/V only
+    FIRST = "first"             # the chunk with the last prompt token: samples t0
+    COLD = "cold"               # decode window [pending, M x (N-1)]
+    VERIFY = "verify"           # decode window [pending, drafts, M x (N-1)]
+    OVERLAPPED = "overlapped"   # a decode row of an overlapped step, its window derived on the device
 
 
-# ---- options and events ------------------------------------------------------------------
+PREFILL, FIRST, COLD, VERIFY, OVERLAPPED = RowKind
+
+
+# ---- options -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class IsdOptions:
@@ -126,63 +141,32 @@ class IsdOptions:
         return self.temperature == 0
 
 
-@dataclass
-class IsdCommitEvent:
-    request_id: str
-    step: int              # the request's logical forwards so far (DecodeStats.forwards)
-    start: int             # index of tokens[0] in the completion
-    tokens: list[int]      # accepted this step, cut at a stop
-    proposed: int = 0      # drafts verified this step
-    accepted: int = 0      # of those, accepted
-    resumable: bool = True  # the next step is cold: committed = completion so far, next_step = step resumes exactly
-    rejected: int | None = None  # the first rejected draft (tokens[accepted] is the correction in its place)
-
-
-@dataclass
-class IsdFinishEvent(FinishEvent):
-    stats: DecodeStats = field(default_factory=DecodeStats)  # as the reference decoder counts them
-    device_forwards: int = 0   # forwards the request had rows in (prefill chunks, recomputation included)
-    preemptions: int = 0
-
-
 # ---- host-side request state ----------------------------------------------------------------
 
-@dataclass(eq=False)   # identity: `in` on the running list must not compare fields
-class IsdRequest:
-    request_id: str
-    prompt: list[int]
+@dataclass(eq=False, kw_only=True)
+class IsdRequest(TrackedRequest):
     options: IsdOptions
-    arrival: int
     stops: frozenset[int] = frozenset()               # the model's EOS ids and the request's stop_ids
     out: list[int] = field(default_factory=list)      # generated tokens; out[-1] is pending (no K/V yet)
     specs: list[int] | None = None                    # drafts for the next (verify) step; None: cold
     stats: DecodeStats = field(default_factory=DecodeStats)
-    events: deque = field(default_factory=deque)
     kv_len: int = 0
-    slot: int = 0
-    pages: list[int] = field(default_factory=list)
     saved_q: Tensor | None = None                     # the drafts' q logits while preempted
-    admitted_at: int = -1
     device_forwards: int = 0
-    preemptions: int = 0
-    done: bool = False
-    cancelled: bool = False
 
     @property
     def stride(self) -> int:
         return self.options.stride
 
-    @property
-    def admitted(self) -> bool:
-        """In the running list: admission gives a slot, preemption and finishing take it back."""
-        return self.slot != 0
+    def forget_kv(self) -> None:
+        self.kv_len = 0
 
     @property
     def kv_target(self) -> int:
         """Tokens that must have K/V before the next decode window: all but the pending one."""
         return len(self.prompt) + len(self.out) - 1 if self.out else len(self.prompt)
 
-    def window(self) -> tuple[str, int]:
+    def window(self) -> tuple[RowKind, int]:
         """The next decode row: (kind, query length)."""
         n = self.stride
         return (VERIFY, 2 * n - 1) if self.specs is not None else (COLD, n)
@@ -196,30 +180,55 @@ class IsdRequest:
 @dataclass(eq=False)
 class _Row:
     req: IsdRequest
-    kind: str
+    kind: RowKind
     start: int    # absolute position of the row's first query token
     length: int   # real query tokens
 
 
-# per-row scalars of the step's inputs (IsdEngine._host_inputs), their dtypes and padding rows' values
-_GEOMETRY_DTYPES = (np.int64,) * 3 + (bool,) + (np.int64,) * 3 + (bool,) + (np.int64, bool)   # start, length,
-_PAD_GEOMETRY = (0, 0, 0, False, 0, 0, 1, False, 0, False)     # n_clean, ungated, read_start, clean_j, mask_j0,
-#                                                                verify, n_drafts, from_carry
-_SAMPLING_DTYPES = (bool, np.float64, np.int64, np.float64) + (np.int64,) * 4   # greedy, temperature, top_k,
-_NO_SAMPLING = (True, 1.0, 0, 1.0, 0, 0, 0, 0)                     # top_p, seed, fwd_index, proposal, slot
+class _RowGeometry(NamedTuple):
+    """A row's per-row scalars of the window (IsdInputs fields, but n_clean / ungated / start /
+    length, from which the per-query arrays are built)."""
+
+    start: int
+    length: int
+    n_clean: int        # leading queries at clean positions (LoRA gate = ungated); the rest are [MASK]s
+    ungated: bool       # not lora_gated
+    read_start: int
+    clean_j: int
+    mask_j0: int
+    verify_row: bool
+    n_drafts: int
+    from_carry: bool
 
 
-def _columns(rows: list[tuple], pad: tuple, n_rows: int, dtypes: tuple) -> list[np.ndarray]:
-    """Per-row tuples (padded with `pad` to n_rows) -> one array per field."""
+class _RowSampling(NamedTuple):
+    greedy: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    fwd_index: int
+    proposal: int
+    slot: int
+
+
+_GEOMETRY_DTYPES = dict(start=np.int64, length=np.int64, n_clean=np.int64, ungated=bool, read_start=np.int64,
+                        clean_j=np.int64, mask_j0=np.int64, verify_row=bool, n_drafts=np.int64, from_carry=bool)
+_PAD_GEOMETRY = _RowGeometry(start=0, length=0, n_clean=0, ungated=False, read_start=0, clean_j=0, mask_j0=1,
+                             verify_row=False, n_drafts=0, from_carry=False)
+_SAMPLING_DTYPES = dict(greedy=bool, temperature=np.float64, top_k=np.int64, top_p=np.float64, seed=np.int64,
+                        fwd_index=np.int64, proposal=np.int64, slot=np.int64)
+_NO_SAMPLING = _RowSampling(greedy=True, temperature=1.0, top_k=0, top_p=1.0, seed=0, fwd_index=0, proposal=0,
+                            slot=0)
+
+
+def _columns(rows: list[NamedTuple], pad: NamedTuple, n_rows: int, dtypes: dict) -> dict[str, np.ndarray]:
+    """Per-row named tuples (padded with `pad` to n_rows) -> one array per field, by name."""
     rows = rows + [pad] * (n_rows - len(rows))
-    return [np.array(col, dtype=dt) for col, dt in zip(zip(*rows), dtypes)]
+    return {name: np.array(col, dtype=dtypes[name]) for name, col in zip(pad._fields, zip(*rows))}
 
 
-def pages_for(n_tokens: int) -> int:
-    return -(-n_tokens // PAGE)
-
-
-class IsdEngine(StepLoop):
+class IsdEngine(EngineRuntime):
     def __init__(self, model: Qwen3Model, *, max_slots: int = 64, n_pages: int | None = None, max_stride: int = 8,
                  prefill_chunk: int = 64, max_prefill_rows: int = 8, kv_fraction: float = 0.85,
                  verify_fn: VerifyFn | None = None, cuda_graphs: bool = False, compile: bool = False,
@@ -232,8 +241,9 @@ class IsdEngine(StepLoop):
         model.fuse_projections()   # 4 GEMMs per layer instead of 7 (cde/qwen3/model.py)
         self.cfg = model.cfg
         p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        self.kv = self._make_kv(n_pages, kv_fraction, max_slots, max_stride)
+        self.dtype = p.dtype
+        super().__init__(self._make_kv(p.device, n_pages, kv_fraction, max_slots, max_stride), p.device,
+                         max_slots=max_slots, overlap=overlap)
         self.max_stride = max_stride
         self.runner = IsdRunner(model, self.kv, max_slots + 1, max(max_stride - 1, 0), verify_fn,
                                 max_rows=bucket(max_slots + max(max_prefill_rows, 1), ROW_BUCKETS),
@@ -241,33 +251,12 @@ class IsdEngine(StepLoop):
         self.prefill_chunk = prefill_chunk
         self.max_prefill_rows = max_prefill_rows
         self._eos = frozenset(self.cfg.eos_token_ids)
-        self._free_slots = list(range(max_slots, 0, -1))
-        self.waiting: deque[IsdRequest] = deque()
-        self.running: list[IsdRequest] = []
-        self.requests: dict[str, IsdRequest] = {}
-        self._arrivals = itertools.count()
         self._admissions = itertools.count()
-        self.steps = self.forwards = self.preemptions = 0
-        self.compiles = 0
-        self._lock = threading.Lock()
+        # Overlapped steps derive their windows on the device (isd_runner.advance).
         self._device_step = self.runner.step
-        # Overlap: in steady decoding the next step is launched before this one's results reach
-        # the host, its windows derived on the device (isd_runner.advance), so the host's
-        # scheduling, input building and bookkeeping hide behind the GPU's next step.
-        self.overlap = overlap
-        self._inflight: LaunchedStep | None = None
-        self.overlapped_steps = 0
-        self.dropped_rows = 0      # rows of an overlapped step whose request ended before it was applied
-        self._pinned = PinnedPairs()
-        if compile:
-            self._compile()
-        self._graphs = None
-        if cuda_graphs:  # replay the device step per input-shape bucket (worker_svc/engine/isd_graphs.py)
-            if self.device.type != "cuda":
-                raise ValueError("cuda_graphs needs a CUDA device")
-            from worker_svc.engine.isd_graphs import IsdGraphCache
-            self._graphs = IsdGraphCache(self.runner)
-            self._device_step = self._graphs.run
+        self._accelerate(compile, cuda_graphs)
+        if self._graphs is not None:   # replay the device step per input-shape bucket
+            self._device_step = self._graph_step
 
     def _compile(self) -> None:
         """Regional compilation of the layers' pointwise parts (cde/qwen3/kernels.py) and of the
@@ -281,17 +270,41 @@ class IsdEngine(StepLoop):
         self.model.use_kernels(kernels.compiled(self._counting_backend))
         self.runner.kernels = regional.compiled(SAMPLER_FUNCTIONS, self._counting_backend)
 
-    def _make_kv(self, n_pages: int | None, fraction: float, max_slots: int, max_stride: int) -> KVCache:
+    def _make_kv(self, device: torch.device, n_pages: int | None, fraction: float, max_slots: int,
+                 max_stride: int) -> KVCache:
         cfg = self.cfg
         per_page = KVCache.bytes_per_page(cfg.n_layers, cfg.n_kv_heads, PAGE, cfg.head_dim, self.dtype)
-        if self.device.type == "cuda":
+        if device.type == "cuda":
             q_table = (max_slots + 1) * max(max_stride - 1, 0) * cfg.vocab_size * 4
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, _ = torch.cuda.mem_get_info(device)
             n = int((free * fraction - q_table) // per_page)
             n = min(n, n_pages) if n_pages is not None else n
         else:
             n = n_pages or 256
-        return KVCache(cfg.n_layers, max(n, 2), cfg.n_kv_heads, PAGE, cfg.head_dim, self.dtype, self.device)
+        return KVCache(cfg.n_layers, max(n, 2), cfg.n_kv_heads, PAGE, cfg.head_dim, self.dtype, device)
+
+    def _graph_step(self, inp: IsdInputs, window: int, filtered: bool = True, sampling: bool = True,
+                    overlapped: bool = False) -> Tensor:
+        """runner.step through the CUDA graph of its bucket: the shapes of the inputs (rows, query
+        length, pages, drafts), the window the LM head reads and the host-known flags."""
+        runner = self.runner
+        key = (window, filtered, sampling, overlapped) + tuple(tuple(getattr(inp, f.name).shape)
+                                                               for f in fields(IsdInputs))
+
+        def keep_state(static: tuple[IsdInputs]):
+            # each warm-up run overwrites the q-table rows of its slots that the next run's
+            # verify reads, and the carry the next run's windows derive from: keep both
+            slots = static[0].slot
+            saved_q, saved_carry = runner.q_table.index_select(0, slots), runner.carry.clone()
+
+            def restore() -> None:
+                runner.q_table.index_copy_(0, slots, saved_q)
+                runner.carry.copy_(saved_carry)
+            return restore
+
+        return self._graphs.run(key, (inp,), lambda i: runner.step(i, window, filtered, sampling, overlapped),
+                                lambda: (IsdInputs(**{f.name: getattr(inp, f.name).clone() for f in fields(IsdInputs)}),),
+                                keep_state)
 
     # ---- public API -----------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], options: IsdOptions, steering=None,
@@ -317,15 +330,10 @@ class IsdEngine(StepLoop):
         stops = self._eos | frozenset(options.stop_ids)
         if committed and cut_at_stop(committed, stops, options.max_new_tokens)[1] is not None:
             raise ValueError("committed tokens already end the request")
-        with self._lock:
-            if request_id in self.requests:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            req = IsdRequest(request_id, list(prompt), options, next(self._arrivals), stops, out=committed)
-            if committed:
-                req.stats.forwards = next_step
-            self.requests[request_id] = req
-            self.waiting.append(req)
-        return req
+        req = IsdRequest(request_id=request_id, prompt=list(prompt), options=options, stops=stops, out=committed)
+        if committed:
+            req.stats.forwards = next_step
+        return self._queue(req)
 
     def warmup(self, max_rows: int = 4, max_new_tokens: int = 8, strides: tuple[int, ...] | None = None) -> None:
         """Run throwaway requests through the shapes traffic will use (one and several rows,
@@ -343,77 +351,48 @@ class IsdEngine(StepLoop):
                     for i in range(n_rows) for n in group])
         self.freeze_heap()
 
-    # ---- scheduling -----------------------------------------------------------------------
-    def _release(self, req: IsdRequest) -> None:
-        self.kv.pool.release(req.pages)
-        req.pages = []
-        req.kv_len = 0
-        if req.slot:
-            self._free_slots.append(req.slot)
-            req.slot = 0
+    # ---- the request table's hooks ------------------------------------------------------------
+    def _admission_refusal(self, req: IsdRequest) -> str | None:
+        worst = pages_for(req.max_extent())
+        if worst > self.kv.pool.usable:
+            return f"request needs up to {worst} KV pages; the pool has {self.kv.pool.usable}"
+        return None
 
-    def _finish(self, req: IsdRequest, reason: str, error: str = "") -> None:
-        req.done = True
-        self._release(req)
-        if req in self.running:
-            self.running.remove(req)
+    def _pages_to_admit(self, req: IsdRequest) -> int:
+        return min(pages_for(req.kv_target + 2 * req.stride - 1), pages_for(req.max_extent()))
+
+    def _admission_stamp(self) -> int:
+        return next(self._admissions)
+
+    def _on_admit(self, req: IsdRequest) -> None:
+        if req.saved_q is not None:
+            self.runner.q_table[req.slot, : req.stride - 1] = req.saved_q
+            req.saved_q = None
+
+    def _on_preempt(self, req: IsdRequest) -> None:
+        if req.specs is not None and req.stride > 1:
+            req.saved_q = self.runner.q_table[req.slot, : req.stride - 1].clone()
+
+    def _finish_event(self, req: IsdRequest, reason: str, error: str) -> FinishEvent:
         cut, _ = cut_at_stop(req.out, req.stops, req.options.max_new_tokens)
         req.stats.generated = len(cut)
-        req.events.append(IsdFinishEvent(req.request_id, reason, list(cut), len(req.prompt), len(cut),
-                                         req.stats.forwards, error, req.stats, req.device_forwards,
-                                         req.preemptions))
-        self.requests.pop(req.request_id, None)
+        return IsdFinishEvent(req.request_id, reason, list(cut), len(req.prompt), len(cut), req.stats.forwards,
+                              error, stats=req.stats, device_forwards=req.device_forwards,
+                              preemptions=req.preemptions)
 
     def _preempt(self, victim: IsdRequest) -> None:
-        if victim.specs is not None and victim.stride > 1:
-            victim.saved_q = self.runner.q_table[victim.slot, : victim.stride - 1].clone()
-        self.running.remove(victim)
-        self._release(victim)
-        self.waiting.appendleft(victim)
-        self.preemptions += 1
-        victim.preemptions += 1
+        self.table.preempt(victim)
 
     def _ensure_pages(self, req: IsdRequest, n_pages: int) -> bool:
         """Give req pages 0..n_pages-1, preempting the most recently admitted request (maybe req
         itself: then False) while the pool is empty."""
-        while len(req.pages) < n_pages:
-            page = self.kv.pool.alloc()
-            if page is None:
-                victim = max(self.running, key=lambda r: r.admitted_at)
-                self._preempt(victim)
-                if victim is req:
-                    return False
-                continue
-            req.pages.append(page)
-        return True
-
-    def _admit(self) -> None:
-        while self.waiting and self._free_slots:
-            req = self.waiting[0]
-            if req.cancelled:
-                self.waiting.popleft()
-                self._finish(req, "cancelled")
-                continue
-            worst = pages_for(req.max_extent())
-            if worst > self.kv.pool.usable:
-                self.waiting.popleft()
-                self._finish(req, "error", f"request needs up to {worst} KV pages; the pool has {self.kv.pool.usable}")
-                continue
-            if self.kv.pool.free < min(pages_for(req.kv_target + 2 * req.stride - 1), worst):
-                break
-            self.waiting.popleft()
-            req.slot = self._free_slots.pop()
-            if req.saved_q is not None:
-                self.runner.q_table[req.slot, : req.stride - 1] = req.saved_q
-                req.saved_q = None
-            req.admitted_at = next(self._admissions)
-            self.running.append(req)
+        return self.table.ensure_pages(req, n_pages, may_preempt_itself=True)
 
     def _plan(self) -> list[_Row]:
         rows: list[_Row] = []
         budget = self.max_prefill_rows
-        for req in list(self.running):
-            if not req.admitted:  # preempted for an earlier request's pages
+        for req in list(self.table.running):
+            if not req.running:  # preempted for an earlier request's pages
                 continue
             own: list[_Row] = []
             kv, target = req.kv_len, req.kv_target
@@ -430,16 +409,9 @@ class IsdEngine(StepLoop):
             if not self._ensure_pages(req, pages_for(max(r.start + r.length for r in own))):
                 continue
             rows += own
-        return [r for r in rows if r.req.admitted]
+        return [r for r in rows if r.req.running]
 
-    # ---- one step (StepLoop.step runs them) --------------------------------------------------
-    def _finish_cancelled(self) -> None:
-        for req in [r for r in self.running if r.cancelled]:
-            self._finish(req, "cancelled")
-        for req in [r for r in self.waiting if r.cancelled]:
-            self.waiting.remove(req)
-            self._finish(req, "cancelled")
-
+    # ---- one step (EngineRuntime.step runs them) -----------------------------------------------
     def _rows_ahead(self, rows: list[_Row | None]) -> list[_Row] | None:
         """The next step's rows if it can be launched before `rows`' results are applied, else
         None. Only when it is sure to be the same requests' decode windows: nobody waiting (no
@@ -448,14 +420,14 @@ class IsdEngine(StepLoop):
         whatever this step accepts (up to N tokens further, 2N - 1 long) are free without
         preempting. A stop token can still end a request: its row in the next step is computed
         and dropped. Allocates those pages."""
-        if self.waiting or len(rows) != len(self.running):
+        if self.table.waiting or len(rows) != len(self.table.running):
             return None
         wanted = []   # pages each request needs for its worst-case next window
         for row in rows:
             if row is None or row.kind not in (COLD, VERIFY):
                 return None
             req = row.req
-            if req.cancelled or req.done or len(req.out) + 1 >= req.options.max_new_tokens:
+            if req.cancel_requested or req.finished or len(req.out) + 1 >= req.options.max_new_tokens:
                 return None
             wanted.append(pages_for(min(row.start + 3 * req.stride - 1, req.max_extent())))
         if sum(max(n - len(row.req.pages), 0) for row, n in zip(rows, wanted)) > self.kv.pool.free:
@@ -473,7 +445,7 @@ class IsdEngine(StepLoop):
         """An OVERLAPPED row, once the step before it is applied: the window the device derived
         (the request's next window), or None if the request ended meanwhile (results dropped)."""
         req = row.req
-        if req.done or not req.admitted:
+        if not req.running:   # finished, or preempted
             self.dropped_rows += 1
             return None
         kind, length = req.window()
@@ -481,17 +453,18 @@ class IsdEngine(StepLoop):
         return _Row(req, kind, req.kv_target, length)
 
     def _host_inputs(self, rows: list[_Row]) -> tuple[IsdInputs, int]:
-        """The step's inputs as numpy arrays (IsdInputs fields) and K. One Python pass collects
+        """The step's inputs as numpy arrays (IsdInputs fields) and its K (the most drafts a row
+        proposes). One Python pass collects
         each row's padded token / page / draft lists and its scalars; the arrays are then built
         by a fixed number of whole-array numpy operations instead of ~20 numpy stores and small
         ops per row (at 32-64 rows those were most of the host's time per step)."""
         mask_id = self.runner.mask_id
         n = len(rows)
         rb = bucket(n, ROW_BUCKETS)
-        k = max((r.req.stride - 1 for r in rows if r.kind in (COLD, VERIFY, OVERLAPPED)), default=0)
+        n_drafts = max((r.req.stride - 1 for r in rows if r.kind in (COLD, VERIFY, OVERLAPPED)), default=0)
         q_len = bucket(max(r.length for r in rows), Q_BUCKETS)
         pb = bucket(max(len(r.req.pages) for r in rows), PAGE_BUCKETS)
-        pad_q, pad_p, pad_k = [0] * q_len, [0] * pb, [0] * k
+        pad_q, pad_p, pad_k = [0] * q_len, [0] * pb, [0] * n_drafts
         tokens, pages, drafts = [], [], []     # padded rows, one np.array each at the end
         geometry, sampling = [], []
         for row in rows:
@@ -514,47 +487,48 @@ class IsdEngine(StepLoop):
             tokens.append(seq + pad_q[len(seq):])
             pages.append(req.pages + pad_p[len(req.pages):])
             drafts.append([*specs] + pad_k[len(specs):])
-            geometry.append((row.start, row.length, n_clean, not o.lora_gated, read, clean_j, mask_j0,
-                             row.kind == VERIFY, nk, row.kind == OVERLAPPED))
-            sampling.append(_NO_SAMPLING if row.kind == PREFILL else (
-                o.greedy, 1.0 if o.greedy else o.temperature, o.top_k, o.top_p, o.seed, req.stats.forwards,
-                PROPOSAL_CODES[o.proposal], req.slot if row.kind != FIRST else 0))
+            geometry.append(_RowGeometry(start=row.start, length=row.length, n_clean=n_clean,
+                                         ungated=not o.lora_gated, read_start=read, clean_j=clean_j, mask_j0=mask_j0,
+                                         verify_row=row.kind == VERIFY, n_drafts=nk,
+                                         from_carry=row.kind == OVERLAPPED))
+            sampling.append(_NO_SAMPLING if row.kind == PREFILL else _RowSampling(
+                greedy=o.greedy, temperature=1.0 if o.greedy else o.temperature, top_k=o.top_k, top_p=o.top_p,
+                seed=o.seed, fwd_index=req.stats.forwards, proposal=PROPOSAL_CODES[o.proposal],
+                slot=req.slot if row.kind != FIRST else 0))
         pad = rb - n
         tokens = np.array(tokens + [pad_q] * pad, dtype=np.int64)
         pages = np.array(pages + [pad_p] * pad, dtype=np.int64)
-        drafts = np.array(drafts + [pad_k] * pad, dtype=np.int64).reshape(rb, k)
-        start, length, n_clean, ungated, read_start, clean_j, mask_j0, verify_row, n_drafts, from_carry = _columns(
-            geometry, _PAD_GEOMETRY, rb, _GEOMETRY_DTYPES)
-        greedy, temperature, top_k, top_p, seed, fwd_index, proposal, slot = _columns(
-            sampling, _NO_SAMPLING, rb, _SAMPLING_DTYPES)
+        drafts = np.array(drafts + [pad_k] * pad, dtype=np.int64).reshape(rb, n_drafts)
+        g = _columns(geometry, _PAD_GEOMETRY, rb, _GEOMETRY_DTYPES)
+        start = g.pop("start")
         q = np.arange(q_len, dtype=np.int64)
         positions = start[:, None] + q                                   # padding rows: 0 .. Q-1
-        real = q < length[:, None]                                       # (R, Q) real query tokens
-        gate = np.where(q < n_clean[:, None], ungated[:, None], real)
+        real = q < g.pop("length")[:, None]                              # (R, Q) real query tokens
+        gate = np.where(q < g.pop("n_clean")[:, None], g.pop("ungated")[:, None], real)
         page_of = pages[np.arange(rb)[:, None], np.minimum(positions // PAGE, pb - 1)]
         write_idx = np.where(real, page_of * PAGE + positions % PAGE, q % PAGE)   # padding: scratch page 0
-        inp = IsdInputs(tokens, positions, gate, write_idx, pages, read_start, slot, start + read_start, clean_j,
-                        mask_j0, verify_row, drafts, greedy, temperature, top_k, top_p, seed, fwd_index, proposal,
-                        n_drafts, from_carry)
-        return inp, k
+        inp = IsdInputs(tokens=tokens, positions=positions, gate=gate, write_idx=write_idx, pages=pages,
+                        win_pos=start + g["read_start"], drafts=drafts, **g,
+                        **_columns(sampling, _NO_SAMPLING, rb, _SAMPLING_DTYPES))
+        return inp, n_drafts
 
     def _launch(self, rows: list[_Row], overlapped: bool = False) -> LaunchedStep:
         """Build the step's inputs, run it on the device and start the copy of its results."""
-        host, k = self._host_inputs(rows)
-        inp = IsdInputs(*(torch.from_numpy(getattr(host, f.name)).to(self.device, non_blocking=True)
-                          for f in fields(IsdInputs)))
+        host, n_drafts = self._host_inputs(rows)
+        inp = to_device(host, self.device)
         # host-known flags (graph bucket): work only sampled rows need; greedy rows never filter
         sampled = [r.req.options for r in rows if r.kind != PREFILL and not r.req.options.greedy]
         filtered = any(o.top_k > 0 or o.top_p < 1 for o in sampled)
-        packed = self._device_step(inp, 2 * k + 1, filtered, bool(sampled), overlapped)
+        packed = self._device_step(inp, 2 * n_drafts + 1, filtered, bool(sampled), overlapped)
         self.forwards += 1
-        return LaunchedStep(rows, k, *self._pinned.start_copy(packed[:len(rows)]))
+        return LaunchedStep(rows, IsdResultLayout(n_drafts), *self._pinned.start_copy(packed[:len(rows)]))
 
     def _apply_step(self, launched: LaunchedStep) -> None:
-        self._apply(launched.rows, launched.results(), launched.kmax)
+        self._apply(launched.rows, launched.results(), launched.layout)
 
-    def _apply(self, rows: list[_Row | None], packed: Tensor, k: int) -> None:
+    def _apply(self, rows: list[_Row | None], packed: Tensor, layout: IsdResultLayout) -> None:
         res = packed.tolist()
+        at_clean, at_accepted, at_correction = layout.CLEAN, layout.n_accepted, layout.correction
         touched: set[IsdRequest] = set()   # identity hash (eq=False)
         for row, r in zip(rows, res):
             if row is None:   # an overlapped row whose request ended before the step was applied
@@ -569,7 +543,8 @@ class IsdEngine(StepLoop):
             before = len(req.out)
             st = req.stats
             nk = req.stride - 1
-            clean, new_specs, n_acc, corr = r[0], r[1:1 + nk], r[1 + k], r[2 + k]
+            clean, n_acc, corr = r[at_clean], r[at_accepted], r[at_correction]
+            new_specs = r[layout.drafts][:nk]
             proposed = accepted = 0
             rejected = None
             if row.kind == FIRST:
@@ -608,4 +583,4 @@ class IsdEngine(StepLoop):
                 req.events.append(IsdCommitEvent(req.request_id, st.forwards, before, new, proposed, accepted,
                                                  req.specs is None, rejected))
             if reason is not None:
-                self._finish(req, reason)
+                self.table.finish(req, reason)

@@ -1,6 +1,6 @@
 """Device side of one ISD engine step: paged forward over query windows, proposals, verify.
 
-Why its own runner: the Steerling runner (``runner.py``) works on 64-token block rows with
+Why its own runner: the Steerling runner (``steerling_runner.py``) works on 64-token block rows with
 block-causal attention; ISD on a causal Qwen3 model works on short query windows (1 token
 for AR, 2N-1 for stride N, up to 64 for a prompt chunk) with plain causal attention. One
 step here is, for R rows padded to a common query length Q:
@@ -36,12 +36,10 @@ results come back packed as one int64 tensor: one device-to-host copy per step.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from cde.isd.decoder import (STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREAM_SAMPLE, ban_, draw, inverse_cdf,
@@ -49,11 +47,11 @@ from cde.isd.decoder import (STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREA
 from cde.isd.verify import onehot_logits, verify_torch
 from cde.qwen3.model import Qwen3Model
 from cde.steerling.sampling import counter_uniform
+from cde.blocks import PAGE
 from cde.regional import Kernels
-from worker_svc.engine import paged_attention
-from worker_svc.engine.kv_cache import KVCache, additive_mask
-
-PAGE = 64
+from worker_svc.engine.attention import PagedKernelUse, query_windows_attend
+from worker_svc.engine.kv_cache import KVCache
+from worker_svc.engine.layouts import IsdCarry, IsdResultLayout
 
 # the sampler's pure functions (IsdEngine._compile swaps in compiled ones): counter_uniform is
 # ~60 int64 elementwise ops eager (five hash rounds) and a step calls it 4 times; one kernel compiled
@@ -68,7 +66,7 @@ VerifyFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tu
 
 
 @dataclass
-class IsdInputs:
+class IsdInputs:   # fields hold numpy arrays while the host builds them (IsdEngine._host_inputs)
     # ---- forward -------------------------------------------------------------------------
     tokens: Tensor       # (R, Q) long; padding queries hold any id
     positions: Tensor    # (R, Q) long absolute positions (RoPE and the causal mask)
@@ -95,11 +93,6 @@ class IsdInputs:
     from_carry: Tensor   # (R,) bool the row's window is derived on the device from the last step's results
 
 
-# carry columns (IsdRunner.carry): what a step leaves for the next one to derive its windows from
-C_WIN_POS, C_VERIFY, C_FWD, C_CLEAN = 0, 1, 2, 3   # then K new drafts, n_accepted, correction
-CARRY_FIXED = 6
-
-
 def keep_mask_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """``cde.isd.decoder.keep_mask`` with per-row settings: logits (R, ..., V), settings (R,).
 
@@ -110,9 +103,9 @@ def keep_mask_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     v = logits.shape[-1]
     shape = (-1,) + (1,) * (logits.dim() - 1)
     x = logits.double() / temperature.double().view(shape)
-    k = top_k.view(shape)
-    kth = x.sort(dim=-1, descending=True).values.gather(-1, (k - 1).clamp(0, v - 1).expand(*x.shape[:-1], 1))
-    keep = ((k <= 0) | (k >= v)) | (x >= kth)
+    top_k_col = top_k.view(shape)
+    kth = x.sort(dim=-1, descending=True).values.gather(-1, (top_k_col - 1).clamp(0, v - 1).expand(*x.shape[:-1], 1))
+    keep = ((top_k_col <= 0) | (top_k_col >= v)) | (x >= kth)
     tp = top_p.double().view(shape)
     probs = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -159,21 +152,16 @@ def greedy_verify(p_logits: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
     best = argmax of the float32 p logits (first index on ties); n_accepted = the leading drafts
     equal to it; correction = best at the first rejection, -1 when all were accepted. Rows that
     are not verify rows (drafts 0) get the same rule, as the full path's greedy dummies do."""
-    r, k = drafts.shape
-    if k == 0:
+    r, max_drafts = drafts.shape
+    if max_drafts == 0:
         return (torch.zeros(r, dtype=torch.int64, device=drafts.device),
                 torch.full((r,), -1, dtype=torch.int64, device=drafts.device))
     # verify_torch compares float32 logits: wider logits are rounded first (rounding can make
     # ties), narrower ones convert exactly, so their argmax is taken without the copy
     best = (p_logits if p_logits.dtype in _EXACT_IN_F32 else p_logits.float()).argmax(-1)    # (R, K)
     n_acc = torch.cumprod((drafts == best).long(), dim=-1).sum(-1)
-    corr = best.gather(1, n_acc.clamp(max=k - 1)[:, None]).squeeze(1)
-    return n_acc, torch.where(n_acc < k, corr, torch.full_like(corr, -1))
-
-
-def pack(clean: Tensor, new_specs: Tensor, n_acc: Tensor, corr: Tensor) -> Tensor:
-    """The step's one result tensor: (R, K + 3) int64 [clean, K drafts, n_accepted, correction]."""
-    return torch.cat([clean[:, None], new_specs, n_acc.long()[:, None], corr.long()[:, None]], dim=1)
+    corr = best.gather(1, n_acc.clamp(max=max_drafts - 1)[:, None]).squeeze(1)
+    return n_acc, torch.where(n_acc < max_drafts, corr, torch.full_like(corr, -1))
 
 
 def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
@@ -189,17 +177,19 @@ def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
     and the fields are what IsdEngine._host_inputs builds from it (tests/test_isd_engine.py
     compares them field by field)."""
     r, q_len = inp.tokens.shape
-    k = inp.drafts.shape[1]
+    max_drafts = inp.drafts.shape[1]
     dev = inp.tokens.device
     c = carry[:r]
-    was_verify = c[:, C_VERIFY] != 0
+    res = c[:, IsdCarry.RESULTS:]                 # the last step's IsdResultLayout(max_drafts) columns
+    lay = IsdResultLayout(max_drafts)
+    was_verify = c[:, IsdCarry.VERIFY] != 0
     nk = inp.n_drafts
-    n_acc, corr = c[:, CARRY_FIXED - 2 + k], c[:, CARRY_FIXED - 1 + k]
+    n_acc, corr = res[:, lay.n_accepted], res[:, lay.correction]
     a = torch.minimum(n_acc, nk)
     rejected = was_verify & (a < nk)
     verify = ~rejected & (nk > 0)
-    start = c[:, C_WIN_POS] + 1 + torch.where(was_verify, a, torch.zeros_like(a))
-    pending = torch.where(rejected, corr, c[:, C_CLEAN])
+    start = c[:, IsdCarry.WIN_POS] + 1 + torch.where(was_verify, a, torch.zeros_like(a))
+    pending = torch.where(rejected, corr, res[:, lay.CLEAN])
     n = nk + 1
     length = torch.where(verify, 2 * n - 1, n)
     n_clean = torch.where(verify, n, torch.ones_like(n))
@@ -207,11 +197,11 @@ def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
     real = j < length[:, None]
     tokens = torch.full_like(inp.tokens, mask_id)
     drafts = torch.zeros_like(inp.drafts)
-    if k:
-        new_specs = c[:, C_CLEAN + 1:C_CLEAN + 1 + k]
-        drafts = torch.where(verify[:, None] & (torch.arange(k, device=dev)[None, :] < nk[:, None]), new_specs, 0)
+    if max_drafts:
+        new_specs = res[:, lay.drafts]
+        drafts = torch.where(verify[:, None] & (torch.arange(max_drafts, device=dev)[None, :] < nk[:, None]), new_specs, 0)
         in_drafts = verify[:, None] & (j >= 1) & (j < n[:, None])
-        tokens = torch.where(in_drafts, drafts.gather(1, (j - 1).clamp(0, k - 1).expand(r, q_len)), tokens)
+        tokens = torch.where(in_drafts, drafts.gather(1, (j - 1).clamp(0, max_drafts - 1).expand(r, q_len)), tokens)
     tokens = torch.where(j == 0, pending[:, None], tokens)
     tokens = torch.where(real, tokens, 0)                                  # padding queries: 0, as the host pads
     positions = start[:, None] + j
@@ -231,7 +221,7 @@ def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
         mask_j0=torch.where(sel, torch.where(verify, n, 1), inp.mask_j0),
         verify_row=torch.where(sel, verify, inp.verify_row), drafts=torch.where(sel2, drafts, inp.drafts),
         greedy=inp.greedy, temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, seed=inp.seed,
-        fwd_index=torch.where(sel, c[:, C_FWD] + 1, inp.fwd_index), proposal=inp.proposal,
+        fwd_index=torch.where(sel, c[:, IsdCarry.FWD] + 1, inp.fwd_index), proposal=inp.proposal,
         n_drafts=inp.n_drafts, from_carry=inp.from_carry)
 
 
@@ -262,12 +252,23 @@ class IsdRunner:
         self.verify_fn = verify_fn or default_verify(dev)
         # each step's rows' window start, kind, forward count and results, for `advance` (one
         # fixed buffer: every CUDA graph reads and writes the same one)
-        self.carry = torch.zeros(max_rows, CARRY_FIXED + max_drafts, dtype=torch.int64, device=dev)
+        self.carry = torch.zeros(max_rows, IsdCarry.width(max_drafts), dtype=torch.int64, device=dev)
         self.mask_id = self.cfg.mask_token_id if self.cfg.mask_token_id is not None else 0
         self.kernels = Kernels(SAMPLER_FUNCTIONS)
         # Triton attention over the pages for decode windows (CUDA, bf16/fp16); else gather + SDPA
-        self.use_paged_attention = True
-        self.paged_calls = 0
+        self.paged_kernel = PagedKernelUse()
+
+    @property
+    def use_paged_attention(self) -> bool:
+        return self.paged_kernel.enabled
+
+    @use_paged_attention.setter
+    def use_paged_attention(self, on: bool) -> None:
+        self.paged_kernel.enabled = on
+
+    @property
+    def paged_calls(self) -> int:
+        return self.paged_kernel.calls
 
     def uniforms(self, seed: Tensor, position: Tensor, step: Tensor, stream: int) -> Tensor:
         """counter_uniform through `kernels`, on flattened (equal-shape) tensors: one 1-D graph
@@ -278,43 +279,9 @@ class IsdRunner:
     # ---- 1. forward ---------------------------------------------------------------------
     def forward(self, inp: IsdInputs, window: int) -> Tensor:
         """Logits (R, window, V) at query indices read_start .. read_start + window - 1 (clamped)."""
-        cfg, kv = self.cfg, self.kv
         r, q_len = inp.tokens.shape
-        p = inp.pages.shape[1]
-        n_kv, hd = cfg.n_kv_heads, cfg.head_dim
         dev = inp.tokens.device
-        key_pos = torch.arange(p * PAGE, device=dev)
-        visible = (key_pos[None, None, :] <= inp.positions[:, :, None])[:, None]     # (R, 1, Q, P*64)
-        # flat (page, offset, head) row of every (row, query, head) K/V vector
-        heads = torch.arange(n_kv, device=dev)[None, None, :]
-        widx = (inp.write_idx[:, :, None] * n_kv + heads).reshape(-1)                # (R*Q*KV,)
-        flat_pages = inp.pages.reshape(-1)
-        masks: dict[torch.dtype, Tensor] = {}
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            kc, vc = kv.k[layer], kv.v[layer]                                          # (pages, 64, KV, hd)
-            kc.view(-1, hd).index_copy_(0, widx, k.transpose(1, 2).reshape(-1, hd).to(kc.dtype))
-            vc.view(-1, hd).index_copy_(0, widx, v.transpose(1, 2).reshape(-1, hd).to(vc.dtype))
-            if self.use_paged_attention and paged_attention.supported(q):
-                # decode windows on the GPU: read the pages in place (no gather, no mask)
-                try:
-                    out = paged_attention.paged_attention(q, kc, vc, inp.pages, inp.positions)
-                    self.paged_calls += 1
-                    return out
-                except Exception as exc:   # a Triton build this kernel does not compile on
-                    if self.paged_calls:
-                        raise
-                    self.use_paged_attention = False
-                    warnings.warn(f"paged attention kernel unavailable ({type(exc).__name__}: {exc}); "
-                                  "using gather + SDPA", stacklevel=2)
-            mask = masks.get(q.dtype)
-            if mask is None:
-                mask = masks[q.dtype] = additive_mask(visible, q.dtype)
-            keys = kc.index_select(0, flat_pages).view(r, p * PAGE, n_kv, hd).transpose(1, 2)
-            vals = vc.index_select(0, flat_pages).view(r, p * PAGE, n_kv, hd).transpose(1, 2)
-            return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
-                                                  enable_gqa=True)
-
+        attend = query_windows_attend(self.kv, inp.write_idx, inp.pages, inp.positions, self.paged_kernel)
         h = self.model.hidden_states(inp.tokens, inp.positions, attend, inp.gate)
         idx = (inp.read_start[:, None] + torch.arange(window, device=dev)[None, :]).clamp(max=q_len - 1)
         hw = h.gather(1, idx[..., None].expand(r, window, h.shape[-1]))
@@ -330,19 +297,19 @@ class IsdRunner:
         vocabulary filters, no q-table write (a greedy request never reads its q), and verify
         is `greedy_verify` instead of ``verify_fn``; the packed result is the same."""
         r, w, v = logits.shape
-        k = inp.drafts.shape[1]
+        max_drafts = inp.drafts.shape[1]
         dev = logits.device
         rows = torch.arange(r, device=dev)
         # clean token at absolute position win_pos + clean_j + 1
         clean_logits = logits[rows, inp.clean_j]                                        # (R, V)
         # K new drafts from the mask logits (window indices mask_j0 .. mask_j0 + K - 1)
-        mask_j = (inp.mask_j0[:, None] + torch.arange(k, device=dev)[None, :]).clamp(max=w - 1)
+        mask_j = (inp.mask_j0[:, None] + torch.arange(max_drafts, device=dev)[None, :]).clamp(max=w - 1)
         mlog = logits[rows[:, None], mask_j]                                            # (R, K, V)
         # last step's drafts s_i are verified against window index i - 1 (i = 1..K)
-        raw = logits[:, :k]
+        raw = logits[:, :max_drafts]
         if not sampling:
             n_acc, corr = greedy_verify(raw, inp.drafts)
-            return pack(clean_logits.argmax(-1), mlog.argmax(-1), n_acc, corr)
+            return IsdResultLayout.pack(clean_logits.argmax(-1), mlog.argmax(-1), n_acc, corr)
 
         greedy = inp.greedy
         temp = torch.where(greedy, torch.ones_like(inp.temperature), inp.temperature)
@@ -353,8 +320,8 @@ class IsdRunner:
         clean = torch.where(greedy, clean_logits.argmax(-1), drawn)
 
         scaled = scaled_rows(mlog, temp, inp.top_k, inp.top_p, filtered)
-        seed_k = inp.seed[:, None].expand(r, k)
-        u = self.uniforms(seed_k, inp.win_pos[:, None] + mask_j + 1, inp.fwd_index[:, None].expand(r, k),
+        seed_per_draft = inp.seed[:, None].expand(r, max_drafts)
+        u = self.uniforms(seed_per_draft, inp.win_pos[:, None] + mask_j + 1, inp.fwd_index[:, None].expand(r, max_drafts),
                             STREAM_PROPOSAL)
         sampled = draw_rows(scaled, u)
         top = scaled.argmax(-1)
@@ -369,17 +336,17 @@ class IsdRunner:
         if filtered:
             p_in = torch.where(greedy[:, None, None], p_in,
                                p_in.masked_fill(~keep_mask_rows(raw, temp, inp.top_k, inp.top_p), float("-inf")))
-        spos = inp.win_pos[:, None] + 1 + torch.arange(k, device=dev)[None, :]
-        ua = self.uniforms(seed_k, spos, torch.zeros_like(spos), STREAM_ACCEPT)
-        ur = self.uniforms(seed_k, spos, torch.zeros_like(spos), STREAM_RESID)
-        q_table = self.q_table.narrow(1, 0, k)
+        spos = inp.win_pos[:, None] + 1 + torch.arange(max_drafts, device=dev)[None, :]
+        ua = self.uniforms(seed_per_draft, spos, torch.zeros_like(spos), STREAM_ACCEPT)
+        ur = self.uniforms(seed_per_draft, spos, torch.zeros_like(spos), STREAM_RESID)
+        q_table = self.q_table.narrow(1, 0, max_drafts)
         q_old = q_table.index_select(0, inp.slot)
         vgreedy = greedy | ~inp.verify_row
         vtemp = torch.where(vgreedy, torch.zeros_like(temp), temp).float()
         n_acc, corr = self.verify_fn(p_in, q_old, inp.drafts, vtemp, ua, ur, vgreedy)
         # the new drafts' q: read by the next step only if it is a verify step (rejection -> cold)
         q_table.index_copy_(0, inp.slot, new_q)
-        return pack(clean, new_specs, n_acc, corr)
+        return IsdResultLayout.pack(clean, new_specs, n_acc, corr)
 
     def step(self, inp: IsdInputs, window: int, filtered: bool = True, sampling: bool = True,
              overlapped: bool = False) -> Tensor:
@@ -394,6 +361,6 @@ class IsdRunner:
         logits = ban_(self.forward(inp, window), self.banned)
         packed = self.propose_and_verify(inp, logits, filtered, sampling)
         r = packed.shape[0]
-        state = torch.cat([inp.win_pos[:, None], inp.verify_row.long()[:, None], inp.fwd_index[:, None], packed], 1)
+        state = IsdCarry.pack(inp.win_pos, inp.verify_row, inp.fwd_index, packed)
         self.carry[:r, :state.shape[1]].copy_(state)
         return packed

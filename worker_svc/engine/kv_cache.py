@@ -8,13 +8,6 @@ table maps its logical blocks 0..n to physical pages.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-
-
-def additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:
-    """0 where a key is visible, -inf elsewhere. Built once per step: given a bool mask, SDPA
-    converts it again in every layer (a `where` and two fills per layer)."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 class PagePool:

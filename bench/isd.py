@@ -1,10 +1,10 @@
 """Benchmark the causal engine: ISD (stride N) vs plain AR, ms/forward vs the floor, verify time.
 
-    python -m worker_svc.bench_isd --preset idlm-8b --out bench/results/isd-idlm-8b-h200.json
-    python -m worker_svc.bench_isd --preset tiny --concurrency 1,4 --new-tokens 32   # CPU smoke run
+    python -m bench.isd --preset idlm-8b --out bench/results/isd-idlm-8b-h200.json
+    python -m bench.isd --preset tiny --concurrency 1,4 --new-tokens 32   # CPU smoke run
 
 idlm-8b uses random bf16 weights on the GPU (regional compile + CUDA graphs by default). The
-floor (worker_svc.floor, method in docs/BENCHMARKS.md) is measured in the same run with the preset's sizes for a
+floor (bench.floor, method in docs/BENCHMARKS.md) is measured in the same run with the preset's sizes for a
 2N-1-query window (7 queries at N = 4) and for 1 query (AR). Each run submits C requests at
 once (prompt 128 random tokens, `--new-tokens` each, greedy unless `--temperature`) and steps
 the engine until all finish; ms/forward = wall time / engine steps (decode steps; the prefill is timed apart).
@@ -14,7 +14,7 @@ figure that counts. The verify kernel is timed alone on the step's shapes (CUDA 
 Where a decode step's time goes (per run, `StepClock`): `host_ms_per_step` is the host time from
 `step()` until the device step is launched (scheduling and input building), `apply_ms_per_step`
 the host time applying its results; `gpu_ms_per_forward` is the device step's GPU busy time
-(CUDA events, bench.py's GpuTimer) and `gpu_idle_frac` = 1 - busy / wall. In steady decoding
+(CUDA events, bench.steerling's GpuTimer) and `gpu_idle_frac` = 1 - busy / wall. In steady decoding
 the engine launches the next step before applying this one (`overlapped_steps`), so host time
 shows as idle only where it exceeds the GPU's; `--no-overlap` measures what that saves.
 `gc_pause_ms` / `gc_full_collections`: garbage-collector pauses inside the measured stretch
@@ -35,7 +35,7 @@ import torch
 
 from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
-from worker_svc.bench import GpuTimer, json_writer, random_model, run_record
+from bench.steerling import GpuTimer, json_writer, random_model, run_record
 from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
 
 
@@ -248,11 +248,11 @@ def main() -> None:
     cfg = preset(args.preset)
     concs = [int(c) for c in args.concurrency.split(",") if c]
     strides = [int(n) for n in args.strides.split(",") if n]
-    result = run_record("worker_svc.bench_isd", args.preset, "isd", cuda, dtype, floor=None, runs=[], verify_ms={})
+    result = run_record("bench.isd", args.preset, "isd", cuda, dtype, floor=None, runs=[], verify_ms={})
     save = json_writer(args.out, result)
 
     if cuda and not args.no_floor:
-        from worker_svc.floor import measure_floor
+        from bench.floor import measure_floor
         result["floor"] = {}
         for n in sorted(set(strides)):
             q = 2 * n - 1
@@ -284,7 +284,7 @@ def main() -> None:
     result["warmup_s"] = time.perf_counter() - t
     result["compiles_after_warmup"] = engine.compiles
     engine.freeze_heap()   # as IsdEngine.warmup does before a worker serves
-    # decode windows through the Triton paged attention (worker_svc/engine/paged_attention.py)?
+    # decode windows through the Triton paged attention (worker_svc/engine/attention.py)?
     result["paged_attention"] = engine.runner.use_paged_attention and engine.runner.paged_calls > 0
     print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}, paged attention {result['paged_attention']}", flush=True)
     for i, c in enumerate(concs):

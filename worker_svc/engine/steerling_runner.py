@@ -8,7 +8,7 @@ last token) whose final K/V must be written once. Per layer, every row first wri
 into its own page, then attends over the pages it may see, so a request's commit rows and
 decode row can share a step.
 
-Both functions have fixed shapes for a given (rows, pages, k) bucket: no Python branching on
+Both functions have fixed shapes for a given (rows, pages, tokens per step) bucket: no Python branching on
 data, steering and concept heads always in, so they compile once and can be captured as
 CUDA graphs.
 """
@@ -19,19 +19,19 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from cde.blocks import BLOCK
 from cde.steerling import kernels
 from cde.steerling.model import SteeringInputs, SteerlingModel
 from cde.steerling.sampling import draw, entropy_temperature, top_p_filter
-from worker_svc.engine.kv_cache import KVCache, additive_mask
-
-BLOCK = 64
+from worker_svc.engine.attention import block_rows_attend
+from worker_svc.engine.kv_cache import KVCache
+from worker_svc.engine.layouts import BlockResultLayout
 
 
 @dataclass
-class ForwardInputs:
+class ForwardInputs:   # fields hold numpy arrays while the host fills them (runtime.to_device)
     tokens: Tensor        # (R, 64) long; pad id beyond the row's length
     positions: Tensor     # (R, 64) long absolute positions
     write_page: Tensor    # (R,) physical page of the row's own block
@@ -55,7 +55,7 @@ class SamplerInputs:
     top_p: Tensor         # (R,) fp32
     seed: Tensor          # (R,) long
     step: Tensor          # (R,) long: the request's step counter
-    k: Tensor             # (R,) long tokens per step
+    tokens_per_step: Tensor  # (R,) long
     threshold: Tensor     # (R,) fp32 confidence threshold (-inf = off)
 
 
@@ -85,7 +85,7 @@ class StepRunner:
         self.banned_mask = torch.zeros(vocab, dtype=torch.bool, device=banned.device)
         self.banned_mask[banned] = True
         self.banned_mask[self.cfg.eos_id] = True
-        self.kernels = kernels.EAGER   # the engine swaps in compiled ones (Engine._compile)
+        self.kernels = kernels.EAGER   # the engine swaps in compiled ones (SteerlingEngine._compile)
 
     def resolve_tokens(self, inp: ForwardInputs) -> Tensor:
         """The rows' tokens: the host's, or the block-token table's for `from_table` rows."""
@@ -94,25 +94,9 @@ class StepRunner:
 
     # ---- forward ----------------------------------------------------------------------
     def forward(self, inp: ForwardInputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        cfg, kv = self.cfg, self.kv
-        r, p = inp.pages.shape
-        n_kv, hd = cfg.n_kv_heads, cfg.head_dim
-        key_pos = torch.arange(p * BLOCK, device=inp.tokens.device)
-        visible = (key_pos[None, :] < inp.n_visible[:, None])[:, None, None, :]   # (R, 1, 1, P*64)
-        flat_pages = inp.pages.reshape(-1)
-        masks: dict[torch.dtype, Tensor] = {}
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            mask = masks.get(q.dtype)
-            if mask is None:
-                mask = masks[q.dtype] = additive_mask(visible, q.dtype)
-            kc, vc = kv.k[layer], kv.v[layer]                                   # (pages, 64, KV, hd)
-            kc.index_copy_(0, inp.write_page, k.transpose(1, 2).to(kc.dtype))
-            vc.index_copy_(0, inp.write_page, v.transpose(1, 2).to(vc.dtype))
-            keys = kc.index_select(0, flat_pages).view(r, p * BLOCK, n_kv, hd).transpose(1, 2)
-            vals = vc.index_select(0, flat_pages).view(r, p * BLOCK, n_kv, hd).transpose(1, 2)
-            return F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, enable_gqa=True)
-
+        cfg = self.cfg
+        r = inp.pages.shape[0]
+        attend = block_rows_attend(self.kv, inp.write_page, inp.pages, inp.n_visible)
         steering = SteeringInputs(self.tables.steer.index_select(0, inp.steer_slot), inp.alpha,
                                   (inp.tokens == cfg.mask_id).float(), inp.inject_layer)
         h = self.model.hidden_states(inp.tokens, inp.positions, attend, steering)
@@ -122,18 +106,38 @@ class StepRunner:
         return heads.logits, heads.known_idx, heads.known_logits, heads.disc_idx, heads.disc_logits
 
     # ---- sampler ----------------------------------------------------------------------
-    def step(self, kmax: int, fwd: ForwardInputs, smp: SamplerInputs) -> Tensor:
+    def neutral_inputs(self, rows: int, pages: int) -> tuple[ForwardInputs, SamplerInputs]:
+        """Inputs of a step whose rows are all padding (scratch page and slot 0, nothing sampled):
+        a CUDA graph's static buffers, which its warm-up runs execute without touching any request."""
+        dev = self.tables.seen.device
+        long = dict(dtype=torch.long, device=dev)
+        f32 = dict(dtype=torch.float32, device=dev)
+        b = dict(dtype=torch.bool, device=dev)
+        fwd = ForwardInputs(
+            tokens=torch.full((rows, BLOCK), self.cfg.pad_id, **long), positions=torch.zeros((rows, BLOCK), **long),
+            write_page=torch.zeros(rows, **long), pages=torch.zeros((rows, pages), **long),
+            n_visible=torch.full((rows,), BLOCK, **long), steer_slot=torch.zeros(rows, **long),
+            alpha=torch.zeros(rows, **f32), inject_layer=torch.zeros(rows, **long), from_table=torch.zeros(rows, **b))
+        smp = SamplerInputs(
+            decode=torch.zeros(rows, **b), slot=torch.zeros(rows, **long), rep=torch.ones(rows, **f32),
+            greedy=torch.ones(rows, **b), entropy=torch.zeros(rows, **b), temperature=torch.ones(rows, **f32),
+            top_p=torch.ones(rows, **f32), seed=torch.zeros(rows, **long), step=torch.zeros(rows, **long),
+            tokens_per_step=torch.zeros(rows, **long), threshold=torch.full((rows,), float("-inf"), **f32))
+        return fwd, smp
+
+    def step(self, layout: BlockResultLayout, fwd: ForwardInputs, smp: SamplerInputs) -> Tensor:
         """The whole device step: resolve the rows' tokens, forward, sample (packed results)."""
         tokens = self.resolve_tokens(fwd)
         fwd = dataclasses.replace(fwd, tokens=tokens)
         logits, kidx, klog, didx, dlog = self.forward(fwd)
         row_len = fwd.n_visible - fwd.positions[:, 0]
-        return self.sample(kmax, tokens, fwd.positions, logits, kidx, klog, didx, dlog, smp, row_len)
+        return self.sample(layout, tokens, fwd.positions, logits, kidx, klog, didx, dlog, smp, row_len)
 
-    def sample(self, kmax: int, tokens: Tensor, positions: Tensor, logits: Tensor, known_idx: Tensor,
+    def sample(self, layout: BlockResultLayout, tokens: Tensor, positions: Tensor, logits: Tensor, known_idx: Tensor,
                known_logits: Tensor, disc_idx: Tensor, disc_logits: Tensor, s: SamplerInputs,
                row_len: Tensor | None = None) -> Tensor:
-        """Pick and draw up to kmax positions per decode row; returns the packed host-bound results.
+        """Pick and draw up to layout.tokens_per_step positions per decode row; returns the packed
+        host-bound results (`layout`).
 
         Same arithmetic as the reference decoder, row by row: relu mask, repetition penalty,
         bans, confidence = max softmax prob over the masked positions, top-k positions (with
@@ -142,55 +146,53 @@ class StepRunner:
         cfg = self.cfg
         r = tokens.shape[0]
         v = logits.shape[-1]
+        max_tokens = layout.tokens_per_step
         lg = logits.view(r, BLOCK, v)
         relu = self.tables.relu.index_select(0, s.slot)[:, None, :]
         seen = self.tables.seen.index_select(0, s.slot)[:, None, :]
         conf = self.kernels.confidence(lg, relu, seen, s.rep, self.banned_mask)        # (R, 64)
         candidate = (tokens == cfg.mask_id) & s.decode[:, None]
         conf = torch.where(candidate, conf, torch.full_like(conf, float("-inf")))
-        conf_sel, idx = conf.topk(kmax, dim=1)                                       # (R, kmax)
-        j = torch.arange(kmax, device=tokens.device)[None, :]
-        valid = (j < s.k[:, None]) & (conf_sel > float("-inf")) & ((j == 0) | (conf_sel >= s.threshold[:, None]))
+        conf_sel, idx = conf.topk(max_tokens, dim=1)                                       # (R, max_tokens)
+        j = torch.arange(max_tokens, device=tokens.device)[None, :]
+        valid = (j < s.tokens_per_step[:, None]) & (conf_sel > float("-inf")) & ((j == 0) | (conf_sel >= s.threshold[:, None]))
 
-        rows = torch.arange(r, device=tokens.device)[:, None].expand(r, kmax)
+        rows = torch.arange(r, device=tokens.device)[:, None].expand(r, max_tokens)
         # the chosen positions' adjusted logits, recomputed (elementwise: the same bits)
-        adj_sel = kernels.adjust_logits(lg[rows, idx], relu, seen, s.rep, self.banned_mask).reshape(r * kmax, v)
+        adj_sel = kernels.adjust_logits(lg[rows, idx], relu, seen, s.rep, self.banned_mask).reshape(r * max_tokens, v)
         pos_sel = positions.gather(1, idx)
-        u = self.kernels.counter_uniform(s.seed[:, None].expand(r, kmax).reshape(-1), pos_sel.reshape(-1),
-                            s.step[:, None].expand(r, kmax).reshape(-1))
-        greedy = s.greedy[:, None].expand(r, kmax).reshape(-1)
-        entropy = s.entropy[:, None].expand(r, kmax).reshape(-1)
-        top_p = s.top_p[:, None].expand(r, kmax).reshape(-1)
+        u = self.kernels.counter_uniform(s.seed[:, None].expand(r, max_tokens).reshape(-1), pos_sel.reshape(-1),
+                            s.step[:, None].expand(r, max_tokens).reshape(-1))
+        greedy = s.greedy[:, None].expand(r, max_tokens).reshape(-1)
+        entropy = s.entropy[:, None].expand(r, max_tokens).reshape(-1)
+        top_p = s.top_p[:, None].expand(r, max_tokens).reshape(-1)
         temp = torch.where(entropy, entropy_temperature(adj_sel, top_p),
-                           s.temperature[:, None].expand(r, kmax).reshape(-1))
+                           s.temperature[:, None].expand(r, max_tokens).reshape(-1))
         temp = torch.where(greedy, torch.ones_like(temp), temp)
         filtered, sorted_ids = top_p_filter(torch.softmax(adj_sel / temp[:, None], dim=-1), top_p)
         drawn = draw(filtered, sorted_ids, u)
-        tok_sel = torch.where(greedy, adj_sel.argmax(-1), drawn).view(r, kmax)
+        tok_sel = torch.where(greedy, adj_sel.argmax(-1), drawn).view(r, max_tokens)
 
         if cfg.eot_id is not None:  # nothing after an <|eot_id|> in the same step is committed
             is_eot = (tok_sel == cfg.eot_id) & valid
             valid = valid & ((torch.cumsum(is_eot.long(), 1) - is_eot.long()) == 0)
 
-        slot_w = torch.where(valid, s.slot[:, None].expand(r, kmax), torch.zeros_like(tok_sel))
+        slot_w = torch.where(valid, s.slot[:, None].expand(r, max_tokens), torch.zeros_like(tok_sel))
         self.tables.seen.index_put_((slot_w.reshape(-1), tok_sel.reshape(-1)),
-                                    torch.ones(r * kmax, dtype=torch.bool, device=tokens.device))
+                                    torch.ones(r * max_tokens, dtype=torch.bool, device=tokens.device))
         if row_len is not None:
             self._store_block_tokens(tokens, idx, tok_sel, valid, s, row_len)
 
         flat = (rows * BLOCK + idx).reshape(-1)
-        target = logits.view(r * BLOCK, v)[flat, tok_sel.reshape(-1)].float().view(r, kmax)
-        # One int32 tensor for the single device-to-host copy: ints as values, floats as bits.
-        as_int = lambda t: t.to(torch.int32).reshape(r, -1)          # noqa: E731
-        as_bits = lambda t: t.float().contiguous().view(torch.int32).reshape(r, -1)  # noqa: E731
-        return torch.cat([as_int(pos_sel), as_int(tok_sel), as_int(valid), as_bits(target),
-                          as_int(known_idx[flat]), as_bits(known_logits[flat]),
-                          as_int(disc_idx[flat]), as_bits(disc_logits[flat])], dim=1)
-
+        target = logits.view(r * BLOCK, v)[flat, tok_sel.reshape(-1)].float().view(r, max_tokens)
+        # One int32 tensor for the single device-to-host copy.
+        return layout.pack(positions=pos_sel, tokens=tok_sel, valid=valid, target=target,
+                           known_idx=known_idx[flat], known_logits=known_logits[flat],
+                           disc_idx=disc_idx[flat], disc_logits=disc_logits[flat])
 
     def _store_block_tokens(self, tokens: Tensor, idx: Tensor, tok_sel: Tensor, valid: Tensor, s: SamplerInputs,
                             row_len: Tensor) -> None:
-        """Decode rows' blocks after this step, as the host will have them (engine._apply): the
+        """Decode rows' blocks after this step, as the host will have them (SteerlingEngine._apply): the
         samples put in and, after a committed <|eot_id|>, every later position of the row set
         to EOS. Other rows write the scratch slot 0."""
         cfg = self.cfg
@@ -202,19 +204,3 @@ class StepRunner:
             new = torch.where(fill, torch.full_like(new, cfg.eos_id), new)
         slots = torch.where(s.decode, s.slot, torch.zeros_like(s.slot))
         self.tables.block_tokens.index_copy_(0, slots, new)
-
-
-def unpack(packed: Tensor, kmax: int, k_known: int, k_disc: int, with_records: bool) -> tuple[Tensor, ...]:
-    """Split the host copy of `StepRunner.sample`'s output back into typed tensors."""
-    r = packed.shape[0]
-    sizes = [kmax, kmax, kmax, kmax, kmax * k_known, kmax * k_known, kmax * k_disc, kmax * k_disc]
-    parts = list(packed.split(sizes, dim=1)) if with_records else list(packed[:, : 4 * kmax].split([kmax] * 4, 1))
-    pos, tok, valid = parts[0].long(), parts[1].long(), parts[2].bool()
-    target = parts[3].contiguous().view(torch.float32)
-    if not with_records:
-        return pos, tok, valid, target, None, None, None, None
-    kidx = parts[4].long().view(r, kmax, k_known)
-    klog = parts[5].contiguous().view(torch.float32).view(r, kmax, k_known)
-    didx = parts[6].long().view(r, kmax, k_disc)
-    dlog = parts[7].contiguous().view(torch.float32).view(r, kmax, k_disc)
-    return pos, tok, valid, target, kidx, klog, didx, dlog

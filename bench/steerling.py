@@ -1,10 +1,10 @@
 """Benchmark the engine: tok/s, ms/forward, time to first/last block, GPU idle, vs the floor.
 
-    python -m worker_svc.bench --preset steerling-8b --out bench/results/engine-h200.json
-    python -m worker_svc.bench --preset tiny --concurrency 1,4 --new-tokens 64   # CPU smoke run
+    python -m bench.steerling --preset steerling-8b --out bench/results/engine-h200.json
+    python -m bench.steerling --preset tiny --concurrency 1,4 --new-tokens 64   # CPU smoke run
 
 steerling-8b uses random bf16 weights on the GPU (compiled + CUDA graphs); the floor
-(worker_svc.floor, method in docs/BENCHMARKS.md) is measured in the same run with
+(bench.floor, method in docs/BENCHMARKS.md) is measured in the same run with
 the preset's own sizes. Each run submits C requests at once (prompt 128 random tokens, 256 new
 tokens, one token per step) and runs the engine until all finish. "on" = every request steered
 (fixed schedule, so injection stays on) and its raw concept records copied to the host; "off"
@@ -31,7 +31,7 @@ from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import SteeringSpec, prepare
-from worker_svc.engine.engine import BlockEvent, Engine
+from worker_svc.engine.steerling_engine import BlockEvent, SteerlingEngine
 
 
 def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02) -> torch.nn.Module:
@@ -126,7 +126,7 @@ class GpuTimer:
         return sum(s.elapsed_time(e) for s, e in self.pairs) / 1e3
 
 
-def run_once(engine: Engine, model, concurrency: int, prompt_len: int, new_tokens: int, on: bool,
+def run_once(engine: SteerlingEngine, model, concurrency: int, prompt_len: int, new_tokens: int, on: bool,
              seed: int, vocab: int, timer: GpuTimer) -> dict:
     cfg = model.cfg
     gen = torch.Generator().manual_seed(seed)
@@ -184,7 +184,7 @@ def profile_steps(model, concurrency: int, prompt_len: int, vocab: int, compile_
     GPU time per step by kernel name, the kernel count, and the step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
-    eng = Engine(model, tokenizer_vocab_size=None, max_slots=max(concurrency, 4), n_pages=concurrency * 8 + 8,
+    eng = SteerlingEngine(model, tokenizer_vocab_size=None, max_slots=max(concurrency, 4), n_pages=concurrency * 8 + 8,
                  compile=compile_, cuda_graphs=False)
     gen = torch.Generator().manual_seed(7)
     for i in range(concurrency):
@@ -259,12 +259,12 @@ def main() -> None:
     cfg = preset(args.preset)
     concs = [int(c) for c in args.concurrency.split(",") if c]
     offs = [int(c) for c in args.off_concurrency.split(",") if c]
-    result = run_record("worker_svc.bench", args.preset, "block", cuda, dtype, tokens_per_step=1,
+    result = run_record("bench.steerling", args.preset, "block", cuda, dtype, tokens_per_step=1,
                         overlap=not args.no_overlap, floor=None, reference=None, runs=[])
     save = json_writer(args.out, result)
 
     if cuda and not args.no_floor:
-        from worker_svc.floor import measure_floor
+        from bench.floor import measure_floor
         t = time.perf_counter()
         floor = measure_floor(cfg.n_layers, cfg.n_embd, cfg.n_head, cfg.n_kv_heads, cfg.intermediate_size,
                               cfg.vocab_size, sorted(set(concs + offs)))
@@ -278,8 +278,8 @@ def main() -> None:
     vocab = min(cfg.vocab_size, 100_000)
     timer = GpuTimer(cuda)
 
-    def make_engine(compile_: bool) -> Engine:
-        eng = Engine(model, tokenizer_vocab_size=None, max_slots=max(concs + [64]), n_pages=args.max_pages,
+    def make_engine(compile_: bool) -> SteerlingEngine:
+        eng = SteerlingEngine(model, tokenizer_vocab_size=None, max_slots=max(concs + [64]), n_pages=args.max_pages,
                      compile=compile_, cuda_graphs=cuda, overlap=not args.no_overlap)
         eng._execute_device = timer.wrap(eng._execute_device)
         return eng

@@ -1,0 +1,155 @@
+"""The request table both engines share: slots, the waiting queue, the running list, and a
+request's life through them (admit, preempt, release, finish), plus the page allocation that
+preempts when the pool runs dry.
+
+What differs between the decoders (how many pages admission needs, what a slot holds on the
+device, what a finished request reports) comes from the engine through the hooks of
+`runtime.DecodeStrategy`; the bookkeeping here is the same for both.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from worker_svc.engine.kv_cache import PagePool
+
+if TYPE_CHECKING:
+    from worker_svc.engine.runtime import DecodeStrategy
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"     # queued (new, or preempted: no slot, no pages)
+    RUNNING = "running"     # admitted: holds a slot and is in the running list
+    FINISHED = "finished"   # its FinishEvent is queued; it has left the table
+
+
+@dataclass(eq=False, kw_only=True)   # identity: `in` on the running list must not compare fields
+class TrackedRequest:
+    """What the table keeps of every request; each engine's request type extends it."""
+
+    request_id: str
+    prompt: list[int]
+    events: deque = field(default_factory=deque)
+    status: RequestStatus = RequestStatus.WAITING
+    cancel_requested: bool = False   # set by another thread (cancel); the step loop finishes it
+    slot: int = 0                    # device-side state row; 0 (scratch) unless RUNNING
+    pages: list[int] = field(default_factory=list)
+    admitted_at: int = -1            # preemption picks the most recently admitted
+    preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def running(self) -> bool:
+        return self.status is RequestStatus.RUNNING
+
+    def forget_kv(self) -> None:
+        """Its pages are gone: nothing of it is in the cache any more."""
+        raise NotImplementedError
+
+
+class RequestTable:
+    def __init__(self, pool: PagePool, max_slots: int, strategy: DecodeStrategy):
+        self.pool = pool
+        self.strategy = strategy
+        self.requests: dict[str, TrackedRequest] = {}
+        self.waiting: deque[TrackedRequest] = deque()
+        self.running: list[TrackedRequest] = []
+        self._free_slots = list(range(max_slots, 0, -1))   # slot 0 is scratch
+        self.preemptions = 0
+
+    def add(self, req: TrackedRequest) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def admit(self) -> None:
+        """Admit waiting requests in order while a slot is free and the pool has the pages the
+        strategy asks for; one that can never fit finishes with an error."""
+        s = self.strategy
+        while self.waiting and self._free_slots:
+            req = self.waiting[0]
+            if req.cancel_requested:
+                self.waiting.popleft()
+                self.finish(req, "cancelled")
+                continue
+            refusal = s._admission_refusal(req)
+            if refusal is not None:
+                self.waiting.popleft()
+                self.finish(req, "error", refusal)
+                continue
+            if self.pool.free < s._pages_to_admit(req):
+                break
+            self.waiting.popleft()
+            req.slot = self._free_slots.pop()
+            req.status = RequestStatus.RUNNING
+            req.admitted_at = s._admission_stamp()
+            self.running.append(req)
+            s._on_admit(req)
+
+    def release(self, req: TrackedRequest) -> None:
+        """Give back the request's pages and slot."""
+        self.pool.release(req.pages)
+        req.pages = []
+        req.forget_kv()
+        if req.slot:
+            self._free_slots.append(req.slot)
+            req.slot = 0
+
+    def preempt(self, victim: TrackedRequest) -> None:
+        """Back to the head of the queue without pages or slot; recomputed on readmission."""
+        self.strategy._on_preempt(victim)
+        self.running.remove(victim)
+        self.release(victim)
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+        victim.preemptions += 1
+
+    def ensure_pages(self, req: TrackedRequest, n_pages: int, *, may_preempt_itself: bool) -> bool:
+        """Give req pages 0..n_pages-1, preempting the most recently admitted running request while
+        the pool is empty. may_preempt_itself: req is a candidate too (then False once it is the
+        victim); else False when no other request is left to preempt."""
+        while len(req.pages) < n_pages:
+            page = self.pool.alloc()
+            if page is None:
+                candidates = self.running if may_preempt_itself else [r for r in self.running if r is not req]
+                if not candidates:
+                    return False
+                victim = max(candidates, key=lambda r: r.admitted_at)
+                self.preempt(victim)
+                if victim is req:
+                    return False
+                continue
+            req.pages.append(page)
+        return True
+
+    def finish(self, req: TrackedRequest, reason: str, error: str = "") -> None:
+        """End the request: free what it holds, queue its FinishEvent, forget it."""
+        req.status = RequestStatus.FINISHED
+        self.release(req)
+        if req in self.running:
+            self.running.remove(req)
+        req.events.append(self.strategy._finish_event(req, reason, error))
+        self.requests.pop(req.request_id, None)
+
+    def finish_cancelled(self) -> None:
+        """Finish every request whose cancel was asked for, running or waiting."""
+        for req in [r for r in self.running if r.cancel_requested]:
+            self.finish(req, "cancelled")
+        for req in [r for r in self.waiting if r.cancel_requested]:
+            self.waiting.remove(req)
+            self.finish(req, "cancelled")
+
+    def cancel(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        req.cancel_requested = True
+        return True

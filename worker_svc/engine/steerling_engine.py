@@ -1,0 +1,353 @@
+"""Block diffusion (Steerling) as a decoding strategy on the paged runtime: continuous batching at step granularity over the paged runtime.
+
+Each call to `step()` builds one batch of 64-token rows from the running requests:
+- a request whose prompt (or, after preemption, whose committed blocks) is not yet in the
+  cache contributes commit rows for those blocks (chunked by `max_prefill_rows`) and, once
+  they are all in, its decode row in the same step;
+- a request whose active block just finished contributes one commit row (its final K/V),
+  unless that block ends the request (nobody will attend to it);
+- every other request contributes its active block as a decode row.
+Requests join and leave between any two steps. When a request needs a page and none is
+free, the most recently admitted request is preempted: its pages are freed and it is
+recomputed later from its committed tokens. Because randomness depends only on (seed,
+position, step), preemption and batching never change a seeded request's output.
+
+The host keeps each request's tokens; the device keeps KV pages, steering vectors, relu
+masks and seen-token bitmaps per slot. One device-to-host copy per step brings back the
+chosen positions, tokens and raw concept records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from cde.blocks import BLOCK
+from cde.steerling.attribution import RawRecords
+from cde.steerling.model import SteerlingModel
+from cde.steerling.reference_decoder import DecodeOptions, clean_output, terminal_ids
+from cde.steerling.sampling import banned_ids
+from cde.steerling.steering import PreparedSteering, resolve_alpha
+from worker_svc.engine.events import BlockEvent, FinishEvent, StepEvent
+from worker_svc.engine.kv_cache import KVCache
+from worker_svc.engine.layouts import BlockResultLayout, BlockResults
+from worker_svc.engine.request_table import TrackedRequest
+from worker_svc.engine.runtime import ROW_BUCKETS, EngineRuntime, LaunchedStep, bucket, to_device
+from worker_svc.engine.steerling_runner import DeviceTables, ForwardInputs, SamplerInputs, StepRunner
+
+__all__ = ["BlockEvent", "BlockRequest", "BlockRow", "FinishEvent", "SteerlingEngine", "StepEvent",
+           "TOKENS_PER_STEP_BUCKETS"]
+
+_ARANGE_BLOCK = np.arange(BLOCK, dtype=np.int64)
+
+PAGE_BUCKETS = (2, 4, 8, 16, 32, 64)
+TOKENS_PER_STEP_BUCKETS = (1, 4, 16, 64)
+
+
+# ---- host-side request state ------------------------------------------------------------------
+
+@dataclass(eq=False, kw_only=True)
+class BlockRequest(TrackedRequest):
+    options: DecodeOptions
+    steering: PreparedSteering | None
+    seq: list[int]
+    gen_end: int
+    kv_blocks: int = 0               # blocks 0..kv_blocks-1 have final K/V in the cache
+    active: int = 0                  # index of the block being decoded
+    step: int = 0
+    committed: int = 0
+    block_records: list = field(default_factory=list)
+    pending_commit: bool = False     # active block finished; write its final K/V next step
+
+    def block_range(self, b: int) -> tuple[int, int]:
+        return b * BLOCK, min((b + 1) * BLOCK, self.gen_end)
+
+    def forget_kv(self) -> None:
+        self.kv_blocks = 0
+
+
+class BlockRow(NamedTuple):
+    """One 64-token row of a step: a request's block, decoded (sampled) or committed (K/V only)."""
+
+    req: BlockRequest
+    block: int
+    is_decode: bool
+
+
+class SteerlingEngine(EngineRuntime):
+    def __init__(self, model: SteerlingModel, *, tokenizer_vocab_size: int | None = None, max_slots: int = 64,
+                 n_pages: int | None = None, max_prefill_rows: int = 32, compile: bool = False,
+                 cuda_graphs: bool = False, kv_fraction: float = 0.85, overlap: bool = True):
+        self.model = model.eval()
+        self.cfg = model.cfg
+        p = next(model.parameters())
+        self.dtype = p.dtype
+        kv = KVCache.sized_from_free_memory(self.cfg, self.dtype, p.device, kv_fraction, n_pages)
+        super().__init__(kv, p.device, max_slots=max_slots, overlap=overlap)
+        self.tables = DeviceTables(max_slots + 1, self.cfg.n_embd, self.cfg.vocab_size, self.dtype, self.device)
+        self.runner = StepRunner(model, self.kv, self.tables, banned_ids(self.cfg, tokenizer_vocab_size, self.device))
+        self.max_prefill_rows = max_prefill_rows
+        self.want_records = True   # copy raw concept records to the host (off only in benchmarks)
+        self.topk_known = min(self.cfg.topk_known, self.cfg.n_known)
+        self.topk_discovered = min(self.cfg.topk_discovered, self.cfg.n_discovered)
+        # Overlapped steps: their tokens come from the device's block-token table.
+        self._accelerate(compile, cuda_graphs)
+
+    # ---- compilation ----------------------------------------------------------------------
+    def _compile(self) -> None:
+        """Regional compilation: the layers' pointwise parts (cde.steerling.kernels), one graph
+        per function for all layers and shapes, plus the sampler's confidence pass. GEMMs,
+        attention, heads and the rest of the sampler stay eager kernels (cuBLAS / SDPA / top-k);
+        under CUDA graphs their launches are replayed.
+        Compiling the whole 32-layer forward instead took minutes per bucket on an H200."""
+        from cde.steerling import kernels
+
+        compiled = kernels.compiled(self._counting_backend)
+        self.model.use_kernels(compiled)
+        self.runner.kernels = compiled
+
+    # ---- public API -----------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: list[int], options: DecodeOptions,
+               steering: PreparedSteering | None = None, committed: list[int] | None = None,
+               next_step: int = 0) -> BlockRequest:
+        """Queue a request. `committed` (whole blocks already generated elsewhere, e.g. by a
+        worker that died) and `next_step` resume it exactly where it stopped."""
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        gen_end = len(prompt) + options.max_new_tokens
+        if gen_end > self.cfg.block_size:
+            raise ValueError(f"prompt + max_new_tokens = {gen_end} exceeds the context of {self.cfg.block_size}")
+        if options.tokens_per_step > TOKENS_PER_STEP_BUCKETS[-1]:
+            raise ValueError(f"tokens_per_step must be <= {TOKENS_PER_STEP_BUCKETS[-1]}")
+        committed = list(committed or [])
+        if len(committed) >= options.max_new_tokens or (len(committed) and (len(prompt) + len(committed)) % BLOCK):
+            raise ValueError("committed tokens must end on a block boundary before max_new_tokens")
+        seq = list(prompt) + committed + [self.cfg.mask_id] * (options.max_new_tokens - len(committed))
+        return self._queue(BlockRequest(request_id=request_id, prompt=list(prompt), options=options,
+                                        steering=steering, seq=seq, gen_end=gen_end,
+                                        active=(len(prompt) + len(committed)) // BLOCK, committed=len(committed),
+                                        step=next_step))
+
+    def warmup(self, max_rows: int = 4, max_new_tokens: int = 70) -> None:
+        """Compile (and, on GPU, capture) the step for the shapes traffic will use, before SERVING.
+
+        Runs throwaway requests covering one row and several rows (PyTorch specializes size
+        1), prefill + decode + commit rows, several page counts and every tokens-per-step bucket.
+        """
+        for n_rows in sorted({1, min(2, max_rows), max_rows}):
+            for tokens_per_step in TOKENS_PER_STEP_BUCKETS:
+                if tokens_per_step > self.cfg.diff_block_size:
+                    continue
+                self._run_throwaway([(f"__warmup_{n_rows}_{tokens_per_step}_{i}", [1] * (BLOCK * (i % 2) + 3),
+                                      DecodeOptions(min(max_new_tokens, 128), tokens_per_step=tokens_per_step))
+                                     for i in range(n_rows)])
+        self.freeze_heap()
+
+    # ---- the request table's hooks ------------------------------------------------------------
+    def _admission_refusal(self, req: BlockRequest) -> str | None:
+        need = req.active + 1
+        if not self.table.running and need > self.kv.pool.usable:
+            return f"request needs {need} KV pages; the pool has {self.kv.pool.usable}"
+        return None
+
+    def _pages_to_admit(self, req: BlockRequest) -> int:
+        return req.active + 1
+
+    def _admission_stamp(self) -> int:
+        return self.steps
+
+    def _on_admit(self, req: BlockRequest) -> None:
+        self.table.ensure_pages(req, req.active + 1, may_preempt_itself=False)   # free: never preempts
+        s = req.slot
+        self.tables.seen[s] = False
+        ids = torch.tensor([t for t in req.seq if t != self.cfg.mask_id] + [self.cfg.mask_id], device=self.device)
+        self.tables.seen[s, ids] = True
+        st = req.steering
+        self.tables.steer[s] = 0 if st is None else st.direction.to(self.device, self.dtype)
+        self.tables.relu[s] = 0 if st is None or st.relu_mask is None else st.relu_mask.to(self.device)
+
+    def _finish_event(self, req: BlockRequest, reason: str, error: str) -> FinishEvent:
+        stops = terminal_ids(self.cfg, req.options)
+        out = clean_output(req.seq[len(req.prompt):], self.cfg, stops)
+        return FinishEvent(req.request_id, reason, out, len(req.prompt), len(out), req.step, error)
+
+    # ---- one step (EngineRuntime.step runs them) -----------------------------------------------
+    def _rows_ahead(self, rows: list[BlockRow]) -> list[BlockRow] | None:
+        """`rows` again if the next step can be launched before their results are applied, else
+        None. Only when it is sure to be the same decode rows: no arrivals or cancels to handle, every running request
+        decoding, no confidence threshold (so a step commits exactly min(tokens_per_step, masks left)), and
+        every block keeps a mask after this step (no block closes). An <|eot_id|> can still end
+        a request early: its row in the next step then finds its block filled (samples nothing)
+        and its results are dropped."""
+        if self.table.waiting or len(rows) != len(self.table.running):
+            return None
+        for req, b, is_decode in rows:
+            if (not is_decode or req.cancel_requested or req.finished
+                    or req.options.confidence_threshold is not None):
+                return None
+            start, end = req.block_range(b)
+            left = req.seq[start:end].count(self.cfg.mask_id)
+            if left - min(req.options.tokens_per_step, left) < 1:
+                return None
+        return rows
+
+    def _plan(self) -> list[BlockRow]:
+        """The rows of this step, in running order."""
+        rows: list[BlockRow] = []
+        prefill_budget = self.max_prefill_rows
+        for req in self.table.running:
+            # blocks whose final K/V must be in the cache before the request can decode on
+            target = req.active + 1 if req.pending_commit else req.active
+            if req.kv_blocks < target:
+                n = min(target - req.kv_blocks, max(prefill_budget, 1))
+                prefill_budget -= n
+                rows += [BlockRow(req, b, False) for b in range(req.kv_blocks, req.kv_blocks + n)]
+                if req.kv_blocks + n < target or req.pending_commit:
+                    continue
+            rows.append(BlockRow(req, req.active, True))
+        return rows
+
+    def _launch(self, rows: list[BlockRow], overlapped: bool = False) -> LaunchedStep:
+        """Build the step's inputs, run it on the device and start the copy of its results.
+        overlapped: the previous step's results are not applied yet; its decode rows continue
+        from the device's block-token table, one step and min(tokens_per_step, masks left) tokens further."""
+        cfg = self.cfg
+        n = len(rows)
+        rb = bucket(n, ROW_BUCKETS)
+        max_block = max(row.block for row in rows)
+        pb = bucket(max_block + 1, PAGE_BUCKETS)
+        layout = BlockResultLayout(
+            bucket(max((r.options.tokens_per_step for r, _, d in rows if d), default=1), TOKENS_PER_STEP_BUCKETS),
+            self.topk_known, self.topk_discovered)
+        # Host inputs are filled as numpy arrays (a scalar store costs ~0.1 us there, ~2 us
+        # into a torch tensor) and become tensors once: the host part of a step stays small
+        # next to the GPU's (it is pure overhead at batch 1).
+        i64 = np.int64
+        fwd = ForwardInputs(
+            tokens=np.full((rb, BLOCK), cfg.pad_id, dtype=i64), positions=np.zeros((rb, BLOCK), dtype=i64),
+            write_page=np.zeros(rb, dtype=i64), pages=np.zeros((rb, pb), dtype=i64),
+            n_visible=np.full(rb, BLOCK, dtype=i64), steer_slot=np.zeros(rb, dtype=i64),
+            alpha=np.zeros(rb, dtype=np.float32), inject_layer=np.full(rb, cfg.n_layers + 1, dtype=i64),
+            from_table=np.zeros(rb, dtype=bool))
+        smp = SamplerInputs(
+            decode=np.zeros(rb, dtype=bool), slot=fwd.steer_slot, rep=np.ones(rb, dtype=np.float32),
+            greedy=np.ones(rb, dtype=bool), entropy=np.zeros(rb, dtype=bool),
+            temperature=np.ones(rb, dtype=np.float32), top_p=np.ones(rb, dtype=np.float32),
+            seed=np.zeros(rb, dtype=i64), step=np.zeros(rb, dtype=i64), tokens_per_step=np.zeros(rb, dtype=i64),
+            threshold=np.full(rb, -np.inf, dtype=np.float32))
+        for i, (req, b, is_decode) in enumerate(rows):
+            start, end = req.block_range(b)
+            ahead = committed_ahead = 0
+            if overlapped:
+                fwd.from_table[i] = True
+                ahead = 1
+                left = req.seq[start:end].count(cfg.mask_id)
+                committed_ahead = min(req.options.tokens_per_step, left)
+            else:
+                fwd.tokens[i, : end - start] = req.seq[start:end]
+            fwd.positions[i] = _ARANGE_BLOCK + start
+            fwd.write_page[i] = req.pages[b]
+            fwd.pages[i, : b + 1] = req.pages[: b + 1]
+            fwd.n_visible[i] = b * BLOCK + (end - start)
+            fwd.steer_slot[i] = req.slot
+            if req.steering is not None and is_decode:
+                st = req.steering
+                fwd.alpha[i] = resolve_alpha(st.schedule, st.base_alpha, req.committed + committed_ahead,
+                                             st.cutoff_tokens)
+                fwd.inject_layer[i] = st.inject_layer
+            if is_decode:
+                o, sp = req.options, req.options.sampling
+                smp.decode[i] = True
+                smp.rep[i] = sp.repetition_penalty
+                smp.greedy[i] = sp.greedy
+                smp.entropy[i] = sp.use_entropy_sampling
+                smp.temperature[i] = sp.temperature
+                smp.top_p[i] = sp.top_p
+                smp.seed[i] = o.seed
+                smp.step[i] = req.step + ahead
+                smp.tokens_per_step[i] = o.tokens_per_step
+                if o.confidence_threshold is not None:
+                    smp.threshold[i] = o.confidence_threshold
+        packed = self._execute_device(rb, pb, layout, to_device(fwd, self.device), to_device(smp, self.device))
+        self.forwards += 1
+        n_cols = layout.sampled_width if not self.want_records else packed.shape[1]
+        return LaunchedStep(rows, layout, *self._pinned.start_copy(packed[:n, :n_cols]))
+
+    def _apply_step(self, launched: LaunchedStep) -> None:
+        self._apply(launched.rows, launched.layout.unpack(launched.results(), self.want_records))
+
+    def _execute_device(self, rb: int, pb: int, layout: BlockResultLayout, fwd: ForwardInputs,
+                        smp: SamplerInputs) -> Tensor:
+        if self._graphs is None:
+            return self.runner.step(layout, fwd, smp)
+        return self._graphs.run((rb, pb, layout.tokens_per_step), (fwd, smp),
+                                lambda f, s: self.runner.step(layout, f, s),
+                                lambda: self.runner.neutral_inputs(rb, pb))
+
+    def _apply(self, rows: list[BlockRow], results: BlockResults) -> None:
+        # numpy views of the host copy: per-row indexing there is ~10x cheaper than torch's
+        res = BlockResults(*(None if t is None else t.numpy() for t in results))
+        pos_sel, tok_sel, valid = res.positions, res.tokens, res.valid
+        closed, advance = [], []
+        for i, (req, b, is_decode) in enumerate(rows):
+            if req.finished:   # ended by the previous step (<|eot_id|>) after this one was launched
+                self.dropped_rows += 1
+                continue
+            if not is_decode:
+                req.kv_blocks = max(req.kv_blocks, b + 1)
+                if req.pending_commit and b == req.active:
+                    advance.append(req)
+                continue
+            keep = np.flatnonzero(valid[i])
+            if keep.size == 0:  # cannot happen for a block with masks left; never burn a step
+                continue
+            positions = pos_sel[i, keep].tolist()
+            toks = tok_sel[i, keep].tolist()
+            for p, t in zip(positions, toks):
+                req.seq[p] = t
+            req.committed += len(toks)
+            req.events.append(StepEvent(req.request_id, req.step, positions, toks))
+            if res.known_idx is not None:
+                # numpy pieces in RawRecords field order; one RawRecords per block when it closes
+                # (torch.from_numpy per step and field costs more than the rest of this loop)
+                req.block_records.append(tuple(a[i, keep] for a in (
+                    pos_sel, tok_sel, res.target, res.known_idx, res.known_logits, res.disc_idx, res.disc_logits)))
+            req.step += 1
+            eot = self.cfg.eot_id is not None and self.cfg.eot_id in toks
+            start, end = req.block_range(b)
+            if eot:
+                p = positions[toks.index(self.cfg.eot_id)]
+                for q in range(p + 1, req.gen_end):
+                    req.seq[q] = self.cfg.eos_id
+            if eot or self.cfg.mask_id not in req.seq[start:end]:
+                closed.append((req, b, eot))
+        for req, b, eot in closed:
+            self._close_block(req, b, eot)
+        for req in advance:
+            req.pending_commit = False
+            self._advance(req)
+
+    def _close_block(self, req: BlockRequest, b: int, eot: bool) -> None:
+        start, end = req.block_range(b)
+        first = max(start, len(req.prompt))
+        records = (RawRecords(*(torch.from_numpy(np.concatenate(parts)) for parts in zip(*req.block_records)))
+                   if req.block_records else None)
+        req.block_records = []
+        stops = terminal_ids(self.cfg, req.options)
+        reason = ("stop" if eot or any(t in stops for t in req.seq[len(req.prompt):end])
+                  else "length" if end >= req.gen_end else None)
+        req.events.append(BlockEvent(req.request_id, b, first, end, req.seq[first:end], records, reason is not None))
+        if reason is not None:
+            self.table.finish(req, reason)
+        else:
+            req.pending_commit = True
+
+    def _advance(self, req: BlockRequest) -> None:
+        req.active += 1
+        if not self.table.ensure_pages(req, req.active + 1, may_preempt_itself=False):
+            # nothing left to preempt: wait for pages (kept state; recomputed on readmission)
+            self.table.preempt(req)
