@@ -3,11 +3,11 @@
 Same service, same stream shape as the Steerling path (worker_svc/service.py), different
 translation:
 
-* options: `decode.isd_stride` N (1 = plain AR, >= 2 = introspective strided decoding;
-  0 is read as 1), temperature and top_p (T = 0: greedy); block-diffusion knobs
-  (tokens_per_step > 1, confidence threshold, entropy sampling, repetition penalty) and
-  steering are refused with INVALID_ARGUMENT: a causal model has no concepts, and a penalty
-  would break ISD's lossless acceptance rule;
+* options: the resolved `options.isd` (stride N: 1 = plain AR, >= 2 = introspective strided
+  decoding; the LoRA adapter gated (R-ISD) or not), temperature, top_p and top_k (T = 0:
+  greedy); block diffusion, entropy sampling, a repetition penalty and steering are refused
+  with INVALID_ARGUMENT: a causal model has no concepts, and a penalty would break ISD's
+  lossless acceptance rule;
 * events: the engine accepts a few tokens per step (it stops at the model's EOS and the
   request's stop ids, keeping the stop token); they are streamed as `BlockCommitted`
   chunks with consecutive `block_index` (the first = prompt length // 64, as for Steerling,
@@ -25,16 +25,22 @@ from dataclasses import dataclass
 
 import grpc
 
-from cde import limits as L
 from cde.qwen3.config import IDLM_8B, TINY, Qwen3Config
-from cde.rpc.v1 import common_pb2, worker_pb2
+from cde.rpc.v1 import common_pb2, resolved_pb2, worker_pb2
 from worker_svc.engine.isd_engine import (
     IsdCommitEvent,
     IsdEngine,
     IsdFinishEvent,
     IsdOptions,
 )
-from worker_svc.validation import BadRequest, check_sampling, check_stop_ids, checked_prompt, signed_seed
+from worker_svc.validation import (
+    BadRequest,
+    check_sampling,
+    check_stop_ids,
+    checked_options,
+    checked_prompt,
+    signed_seed,
+)
 
 BLOCK = 64
 CHUNK_TOKENS = 16   # tokens per streamed chunk: latency vs one Redis write per chunk
@@ -60,28 +66,31 @@ def causal_preset_name(cfg: Qwen3Config) -> str:
     return "custom"
 
 
-def isd_options(d: common_pb2.DecodeOptions, sp: common_pb2.SamplingOptions, max_stride: int) -> IsdOptions:
-    if d.max_new_tokens < 1:
-        raise BadRequest("decode.max_new_tokens must be >= 1 (the gateway resolves the default)")
-    if d.tokens_per_step > 1 or d.HasField("confidence_threshold"):
-        raise BadRequest("decode.tokens_per_step / confidence_threshold apply to block-diffusion models; "
-                               "a causal model uses decode.isd_stride")
-    stride = d.isd_stride or 1
-    if stride > max_stride:
-        raise BadRequest(f"decode.isd_stride must be in [1, {max_stride}] on this worker")
+_ADAPTER_GATED = {resolved_pb2.ISD_ADAPTER_GATED: True, resolved_pb2.ISD_ADAPTER_UNGATED: False}
+
+
+def isd_options(req: worker_pb2.WorkerSubmit, max_stride: int, token_limit: int) -> IsdOptions:
+    """The request's resolved options as engine options, checked (nothing defaulted here)."""
+    o = checked_options(req, "isd")
+    stride = o.isd.stride
+    if not 1 <= stride <= max_stride:
+        raise BadRequest(f"options.isd.stride must be in [1, {max_stride}] on this worker, got {stride}")
+    if o.isd.adapter not in _ADAPTER_GATED:
+        raise BadRequest("options.isd.adapter must be ISD_ADAPTER_GATED or ISD_ADAPTER_UNGATED")
+    sp = o.sampling
     if sp.use_entropy_sampling:
-        raise BadRequest("sampling.use_entropy_sampling applies to block-diffusion models only")
-    if sp.HasField("repetition_penalty") and sp.repetition_penalty != 1.0:
-        raise BadRequest("sampling.repetition_penalty must be 1 for causal (ISD) decoding")
-    defaults = L.CAUSAL_SAMPLING
-    temperature = sp.temperature if sp.HasField("temperature") else defaults.temperature
-    top_p = sp.top_p if sp.HasField("top_p") else defaults.top_p
-    check_sampling(temperature, top_p, defaults.repetition_penalty)
+        raise BadRequest("options.sampling.use_entropy_sampling applies to block-diffusion models only")
+    if sp.repetition_penalty != 1.0:
+        raise BadRequest("options.sampling.repetition_penalty must be 1 for causal (ISD) decoding")
+    if sp.top_k > token_limit:
+        raise BadRequest(f"options.sampling.top_k must be in [0, {token_limit}] (0 = off)")
+    check_sampling(sp.temperature, sp.top_p, sp.repetition_penalty)
+    temperature, top_p = sp.temperature, sp.top_p
     if top_p == 0.0:   # the nucleus of mass 0 is the most likely token alone: greedy (as Steerling reads it)
         temperature, top_p = 0.0, 1.0
-    seed = d.seed if d.HasField("seed") else 0
-    return IsdOptions(max_new_tokens=d.max_new_tokens, stride=stride, temperature=float(temperature),
-                      top_p=float(top_p), seed=signed_seed(seed), stop_ids=tuple(d.stop_ids))
+    return IsdOptions(max_new_tokens=o.max_new_tokens, stride=stride, temperature=float(temperature),
+                      top_k=sp.top_k, top_p=float(top_p), seed=signed_seed(o.seed),
+                      lora_gated=_ADAPTER_GATED[o.isd.adapter], stop_ids=tuple(o.stop_ids))
 
 
 def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_limit: int, max_stride: int,
@@ -89,11 +98,11 @@ def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_li
     prompt = checked_prompt(req, token_limit, cfg.mask_token_id)
     if req.HasField("steering"):
         raise BadRequest("steering is not available for a causal model (it has no concepts)")
-    options = isd_options(req.decode, req.sampling, max_stride)
+    options = isd_options(req, max_stride, token_limit)
     if len(prompt) + options.max_new_tokens > cfg.max_positions:
         raise BadRequest(f"prompt ({len(prompt)}) + max_new_tokens ({options.max_new_tokens}) exceeds the "
                                f"context of {cfg.max_positions}")
-    check_stop_ids(list(req.decode.stop_ids), token_limit)
+    check_stop_ids(list(req.options.stop_ids), token_limit)
     committed = list(req.committed_tokens)
     if any(t >= cfg.vocab_size for t in committed) or len(committed) >= options.max_new_tokens:
         raise BadRequest("committed_tokens must be vocabulary ids, fewer than max_new_tokens")
@@ -102,7 +111,7 @@ def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_li
         raise BadRequest(f"the request needs {pages} KV pages; this worker has {pages_usable}",
                                grpc.StatusCode.RESOURCE_EXHAUSTED)
     return CausalJob(req.request_id, prompt, options, committed, req.next_step,
-                     frozenset(cfg.eos_token_ids) | frozenset(req.decode.stop_ids), req.stream_steps)
+                     frozenset(cfg.eos_token_ids) | frozenset(req.options.stop_ids), req.stream_steps)
 
 
 def completion_length(tokens: list[int], stops: frozenset[int]) -> int:

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from cde.rpc.internal_auth import internal_channel
 from cde.rpc.serving import serve_until_signal
 from cde.rpc.v1 import (
     common_pb2,
+    resolved_pb2,
     scheduler_pb2,
     scheduler_pb2_grpc,
     worker_pb2,
@@ -63,6 +63,7 @@ from worker_svc.validation import (
     check_inject_layer,
     check_sampling,
     check_stop_ids,
+    checked_options,
     checked_prompt,
     signed_seed,
 )
@@ -97,34 +98,29 @@ def preset_name(cfg: SteerlingConfig) -> str:
     return "custom"
 
 
-def _sampling(sp: common_pb2.SamplingOptions) -> SamplingParams:
-    d = SamplingParams()
-    params = SamplingParams(
-        use_entropy_sampling=sp.use_entropy_sampling if sp.HasField("use_entropy_sampling") else d.use_entropy_sampling,
-        temperature=sp.temperature if sp.HasField("temperature") else d.temperature,
-        top_p=sp.top_p if sp.HasField("top_p") else d.top_p,
-        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else d.repetition_penalty)
-    check_sampling(params.temperature, params.top_p, params.repetition_penalty)
-    return params
+def _sampling(sp: resolved_pb2.ResolvedSampling) -> SamplingParams:
+    if sp.top_k:
+        raise BadRequest("options.sampling.top_k is not supported by a block-diffusion model (use 0)")
+    check_sampling(sp.temperature, sp.top_p, sp.repetition_penalty)
+    return SamplingParams(use_entropy_sampling=sp.use_entropy_sampling, temperature=sp.temperature,
+                          top_p=sp.top_p, repetition_penalty=sp.repetition_penalty)
 
 
-def decode_options(d: common_pb2.DecodeOptions, sp: common_pb2.SamplingOptions, cfg: SteerlingConfig,
-                   token_limit: int) -> DecodeOptions:
-    if d.max_new_tokens < 1:
-        raise BadRequest("decode.max_new_tokens must be >= 1 (the gateway resolves the default)")
-    if d.isd_stride:
-        raise BadRequest("decode.isd_stride is not supported by a block-diffusion model (use 0)")
-    k = d.tokens_per_step or L.DEFAULT_TOKENS_PER_STEP
+def decode_options(req: worker_pb2.WorkerSubmit, cfg: SteerlingConfig, token_limit: int) -> DecodeOptions:
+    """The request's resolved options as engine options, checked (nothing defaulted here)."""
+    o = checked_options(req, "block_diffusion")
+    k = o.block_diffusion.tokens_per_step
     lo, hi = L.tokens_per_step_bounds(cfg.diff_block_size)
     hi = min(hi, K_BUCKETS[-1])   # the engine's largest bucket (64, the 8B block size)
     if not lo <= k <= hi:
-        raise BadRequest(f"decode.tokens_per_step must be in [{lo}, {hi}]")
-    threshold = d.confidence_threshold if d.HasField("confidence_threshold") else None
+        raise BadRequest(f"options.block_diffusion.tokens_per_step must be in [{lo}, {hi}], got {k}")
+    bd = o.block_diffusion
+    threshold = bd.confidence_threshold if bd.HasField("confidence_threshold") else None
     if threshold is not None and not L.THRESHOLD_MIN_EXCLUSIVE < threshold <= L.THRESHOLD_MAX:
-        raise BadRequest(f"decode.confidence_threshold must be in ({L.THRESHOLD_MIN_EXCLUSIVE:g}, {L.THRESHOLD_MAX:g}]")
-    check_stop_ids(list(d.stop_ids), token_limit)
-    seed = d.seed if d.HasField("seed") else int.from_bytes(os.urandom(8), "little") >> 1
-    return DecodeOptions(d.max_new_tokens, _sampling(sp), k, threshold, signed_seed(seed), tuple(d.stop_ids))
+        raise BadRequest("options.block_diffusion.confidence_threshold must be in "
+                         f"({L.THRESHOLD_MIN_EXCLUSIVE:g}, {L.THRESHOLD_MAX:g}]")
+    check_stop_ids(list(o.stop_ids), token_limit)
+    return DecodeOptions(o.max_new_tokens, _sampling(o.sampling), k, threshold, signed_seed(o.seed), tuple(o.stop_ids))
 
 
 def prepared_steering(st: common_pb2.PreparedSteering, cfg: SteerlingConfig, model_name: str) -> PreparedSteering:
@@ -157,7 +153,7 @@ def parse_submit(req: worker_pb2.WorkerSubmit, cfg: SteerlingConfig, token_limit
                  pages_usable: int) -> Job:
     """Validate a WorkerSubmit; raises BadRequest with the status code to answer."""
     prompt = checked_prompt(req, token_limit, cfg.mask_id)
-    options = decode_options(req.decode, req.sampling, cfg, token_limit)
+    options = decode_options(req, cfg, token_limit)
     if len(prompt) + options.max_new_tokens > cfg.block_size:
         raise BadRequest(f"prompt ({len(prompt)}) + max_new_tokens ({options.max_new_tokens}) exceeds the "
                          f"context of {cfg.block_size}")
