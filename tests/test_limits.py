@@ -469,6 +469,15 @@ def test_worker_applies_the_same_bounds(stack) -> None:
             stops_bad = worker_submit()
             stops_bad.options.stop_ids.extend(range(100, 101 + L.MAX_STOP_IDS))
             cases += [("stop ids max", stops_ok, None), ("stop ids too many", stops_bad, "stop_ids")]
+            # nothing is defaulted after the gateway: an unresolved request names what is missing
+            no_options, no_sampling, isd_here = worker_submit(), worker_submit(), worker_submit()
+            no_options.ClearField("options")
+            no_sampling.options.ClearField("sampling")
+            isd_here.options.isd.stride = 2
+            cases += [("no options", no_options, "options"), ("no sampling", no_sampling, "options.sampling"),
+                      ("isd on a block-diffusion worker", isd_here, "options.block_diffusion"),
+                      ("tokens_per_step 0", worker_submit(**{"options.block_diffusion.tokens_per_step": 0}),
+                       "tokens_per_step")]
             for what, field, value, param in (
                     ("inject_layer min", "inject_layer", 1, None), ("inject_layer max", "inject_layer", N_LAYERS, None),
                     ("inject_layer 0", "inject_layer", 0, "inject_layer"),
