@@ -223,12 +223,13 @@ class Pipeline:
         # The one place a seed is drawn: the scheduler stores it, so a resumed request draws the same.
         seed = d.seed if d.HasField("seed") else secrets.randbits(63)
         if self.model.causal:
-            return resolved.isd(seed=seed, max_new_tokens=max_new, stride=stride, stop_ids=d.stop_ids,
-                                sampling_options=resolved_pb2.ResolvedSampling())
-        threshold = d.confidence_threshold if d.HasField("confidence_threshold") else None
-        return resolved.block_diffusion(seed=seed, max_new_tokens=max_new, tokens_per_step=tps,
-                                        confidence_threshold=threshold, stop_ids=d.stop_ids,
-                                        sampling_options=resolved_pb2.ResolvedSampling())
+            out = resolved.isd(seed=seed, max_new_tokens=max_new, stride=stride, stop_ids=d.stop_ids)
+        else:
+            threshold = d.confidence_threshold if d.HasField("confidence_threshold") else None
+            out = resolved.block_diffusion(seed=seed, max_new_tokens=max_new, tokens_per_step=tps,
+                                           confidence_threshold=threshold, stop_ids=d.stop_ids)
+        out.ClearField("sampling")   # the request's own: resolve_sampling
+        return out
 
     def resolve_sampling(self, s: common_pb2.SamplingOptions) -> resolved_pb2.ResolvedSampling:
         """Every field set. A client that sets a temperature wants it used, so temperature
