@@ -4,9 +4,11 @@ Both front ends build a `generate_pb2.GenerateRequest` (REST translates its JSON
 validation, tokenization, steering resolution and the SchedulerEvent -> GenerateResponse
 translation exist once and the two APIs stream the same blocks by construction.
 
-`Pipeline.prepare` turns a public request into a scheduler `SubmitRequest` whose options are all
-resolved (every SamplingOptions field set, max_new_tokens/tokens_per_step/seed chosen), so nothing
-downstream has to know the defaults. `Pipeline.open` starts the scheduler stream and returns a
+`Pipeline.prepare` turns a public request into a scheduler `SubmitRequest` carrying the internal
+contract, `ResolvedOptions` (resolved.proto): the seed (drawn here when the client gave none),
+max_new_tokens, stop ids, every sampling value and the decoder (block diffusion or ISD), all final.
+This is the only place a default is chosen; the scheduler stores the options and the workers
+apply them as they are. `Pipeline.open` starts the scheduler stream and returns a
 `GenerationStream`; closing it cancels the scheduler call (that is how a client disconnect frees
 the request's KV pages).
 
@@ -38,7 +40,9 @@ from cde import limits as L
 from cde.model_family import CAUSAL, STEERLING, model_family
 from cde.qwen3.chat import ChatTokenizer, load_chat_tokenizer
 from cde.qwen3.config import Qwen3Config
-from cde.rpc.v1 import common_pb2, generate_pb2, scheduler_pb2, steering_pb2
+from cde.rpc import resolved
+from cde.rpc.finish import FINISH_REASON_TEXT
+from cde.rpc.v1 import common_pb2, generate_pb2, resolved_pb2, scheduler_pb2, steering_pb2
 from cde.steerling.config import SteerlingConfig
 from cde.steerling.tokenizer import Tokenizer, load_model_tokenizer
 from gateway.backends import Backends
@@ -54,14 +58,6 @@ DEFAULT_SAMPLING = dataclasses.asdict(L.STEERLING_SAMPLING)
 # Causal (I-DLM) models: plain temperature sampling, and ISD with stride 4 unless asked otherwise
 # (greedy output equals plain AR's token for token; sampled output keeps AR's distribution).
 DEFAULT_CAUSAL_SAMPLING = dataclasses.asdict(L.CAUSAL_SAMPLING)
-
-FINISH_REASON_TEXT = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
-    common_pb2.FINISH_REASON_ERROR: "error",
-    common_pb2.FINISH_REASON_UNSPECIFIED: "stop",
-}
 
 
 @dataclass(frozen=True)
@@ -118,8 +114,11 @@ class Limits:
 @dataclass
 class Prepared:
     submit: scheduler_pb2.SubmitRequest
-    seed: int
     prompt_tokens: int
+
+    @property
+    def seed(self) -> int:
+        return self.submit.options.seed
 
 
 def _finite_in(x: float, lo: float, hi: float, *, lo_open: bool = False) -> bool:
@@ -166,7 +165,16 @@ class Pipeline:
             return ids
         raise invalid("one of prompt, chat or token_ids is required", "prompt")
 
-    def resolve_decode(self, d: common_pb2.DecodeOptions, n_prompt: int) -> common_pb2.DecodeOptions:
+    def resolve_options(self, d: common_pb2.DecodeOptions, s: common_pb2.SamplingOptions,
+                        n_prompt: int) -> resolved_pb2.ResolvedOptions:
+        """The request's internal options, every value final."""
+        options = self.resolve_decode(d, n_prompt)
+        options.sampling.CopyFrom(self.resolve_sampling(s))
+        return options
+
+    def resolve_decode(self, d: common_pb2.DecodeOptions, n_prompt: int) -> resolved_pb2.ResolvedOptions:
+        """Length, seed, stops and decoder resolved (sampling: `resolve_sampling`, joined by
+        `resolve_options`)."""
         lim, ctx = self.limits, self.model.max_context
         room = ctx - n_prompt
         if d.max_new_tokens:
@@ -212,14 +220,18 @@ class Pipeline:
         bad = next((i for i in d.stop_ids if i >= vocab), None)
         if bad is not None:
             raise invalid(f"stop token id {bad} is outside the vocabulary (size {vocab})", "stop_token_ids")
-        out = common_pb2.DecodeOptions(max_new_tokens=max_new, tokens_per_step=tps,
-                                       seed=d.seed if d.HasField("seed") else secrets.randbits(63),
-                                       stop_ids=list(dict.fromkeys(d.stop_ids)), isd_stride=stride)
-        if d.HasField("confidence_threshold"):
-            out.confidence_threshold = d.confidence_threshold
+        # The one place a seed is drawn: the scheduler stores it, so a resumed request draws the same.
+        seed = d.seed if d.HasField("seed") else secrets.randbits(63)
+        if self.model.causal:
+            out = resolved.isd(seed=seed, max_new_tokens=max_new, stride=stride, stop_ids=d.stop_ids)
+        else:
+            threshold = d.confidence_threshold if d.HasField("confidence_threshold") else None
+            out = resolved.block_diffusion(seed=seed, max_new_tokens=max_new, tokens_per_step=tps,
+                                           confidence_threshold=threshold, stop_ids=d.stop_ids)
+        out.ClearField("sampling")   # the request's own: resolve_sampling
         return out
 
-    def resolve_sampling(self, s: common_pb2.SamplingOptions) -> common_pb2.SamplingOptions:
+    def resolve_sampling(self, s: common_pb2.SamplingOptions) -> resolved_pb2.ResolvedSampling:
         """Every field set. A client that sets a temperature wants it used, so temperature
         without an explicit use_entropy_sampling turns the entropy-adaptive temperature off.
         Causal models sample with temperature and top_p only (T = 0: greedy)."""
@@ -234,11 +246,11 @@ class Pipeline:
             d = DEFAULT_SAMPLING
         entropy = s.use_entropy_sampling if s.HasField("use_entropy_sampling") else (
             False if s.HasField("temperature") else d["use_entropy_sampling"])
-        out = common_pb2.SamplingOptions(
+        out = resolved.sampling(L.SamplingDefaults(
             use_entropy_sampling=entropy,
             temperature=s.temperature if s.HasField("temperature") else d["temperature"],
             top_p=s.top_p if s.HasField("top_p") else d["top_p"],
-            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else d["repetition_penalty"])
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else d["repetition_penalty"]))
         if not _finite_in(out.temperature, L.TEMPERATURE_MIN, L.TEMPERATURE_MAX):
             raise invalid(f"temperature must be in [{L.TEMPERATURE_MIN:g}, {L.TEMPERATURE_MAX:g}]", "temperature")
         if not _finite_in(out.top_p, L.TOP_P_MIN, L.TOP_P_MAX):
@@ -308,8 +320,7 @@ class Pipeline:
         if self.model.causal:
             self.check_causal(req)
         prompt = self.tokenize(req)
-        decode = self.resolve_decode(req.decode, len(prompt))
-        sampling = self.resolve_sampling(req.sampling)
+        options = self.resolve_options(req.decode, req.sampling, len(prompt))
         if req.attribution not in common_pb2.AttributionMode.values():
             raise invalid("attribution must be none, tokens, chunks or all", "attribution")
         top_k = req.attribution_top_k or L.DEFAULT_ATTRIBUTION_TOP_K
@@ -318,11 +329,10 @@ class Pipeline:
         steering = await self.resolve_steering(req.steering) if req.HasField("steering") else None
         submit = scheduler_pb2.SubmitRequest(
             request_id=req.request_id or uuid.uuid4().hex, model=self.model.id, prompt_tokens=prompt,
-            decode=decode, sampling=sampling, attribution=req.attribution, attribution_top_k=top_k,
-            stream_steps=req.stream_steps)
+            options=options, attribution=req.attribution, attribution_top_k=top_k, stream_steps=req.stream_steps)
         if steering is not None:
             submit.steering.CopyFrom(steering)
-        return Prepared(submit, decode.seed, len(prompt))
+        return Prepared(submit, len(prompt))
 
     # ---- streams ----------------------------------------------------------------------------
     def _timeout(self, client_remaining: float | None) -> float | None:
@@ -340,7 +350,7 @@ class Pipeline:
         timeout = self._timeout(client_remaining)
         call = self.backends.scheduler.Submit(prepared.submit, timeout=timeout)
         self.metrics.prompt_tokens.labels(self.model.id).inc(prepared.prompt_tokens)
-        return GenerationStream(call, BlockDetokenizer(self.model.tokenizer, prepared.submit.decode.stop_ids),
+        return GenerationStream(call, BlockDetokenizer(self.model.tokenizer, prepared.submit.options.stop_ids),
                                 timer or self.metrics.request(), prepared.seed, prepared.prompt_tokens,
                                 isd=self.model.causal, request_id=prepared.submit.request_id,
                                 reattach=self._reattach(timeout, prepared.submit))
@@ -602,7 +612,6 @@ class GenerationStream:
             self.request_id = self.request_id or ev.accepted.request_id
             acc = common_pb2.Accepted()
             acc.CopyFrom(ev.accepted)
-            acc.seed = acc.seed or self.seed
             acc.prompt_tokens = acc.prompt_tokens or self.prompt_tokens
             self.detok.add_stops(acc.stop_ids)   # a Resume's detokenizer starts without them
             self.seed, self.prompt_tokens = acc.seed, acc.prompt_tokens

@@ -8,84 +8,70 @@ live ones from its queue, skipping indices it already has; a block is stored bef
 is published, so nothing falls between the two. When the last subscriber leaves early
 the request is cancelled (after an optional grace period, so a client may reconnect).
 
-Everything needed to pick the request up again lives in Redis: the spec (the SubmitRequest
-as protobuf JSON, with the seed the scheduler chose and the absolute deadline), the stored
-blocks (the final BlockCommitted protos, attributions included, so a replay is identical;
-`next_step` in the last one says where the worker's step counter stood), and the final
-Finished message under `{prefix}end:{id}`. A task cancelled without a cancel request
-(scheduler shutdown) leaves Redis untouched for the next instance to recover.
+Everything needed to pick the request up again lives in Redis (scheduler_svc/state.py owns
+every key): the spec (scheduler_svc/spec.py: the SubmitRequest with the options the gateway
+resolved, and the absolute deadline), the stored blocks (the final BlockCommitted protos,
+attributions included, so a replay is identical; `next_step` in the last one says where the
+worker's step counter stood), and the saved ending (the Finished message). A task cancelled
+without a cancel request (scheduler shutdown) leaves Redis untouched for the next instance.
+
+A run gets what it needs from the scheduler as a `RunContext` (store, worker pool, attribution
+pool, slots, limits and three callbacks); it never reaches into the scheduler itself, and the
+pool keeps its own page bookkeeping (`WorkerPool.reserve` / `release`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import redis.exceptions
-from google.protobuf import json_format
 
+from cde.rpc.finish import FINISH_REASON_BY_NAME, FINISH_REASON_TEXT
 from cde.rpc.v1 import common_pb2, scheduler_pb2, worker_pb2
-from scheduler_svc.attribution import AttributionSession
-from scheduler_svc.state import CANCELLED, FAILED, FINISHED, RUNNING, RequestState
-
-if TYPE_CHECKING:
-    from scheduler_svc.service import SchedulerCore
-    from scheduler_svc.workers import WorkerHandle
+from scheduler_svc.attribution import AttributionPool, AttributionSession
+from scheduler_svc.spec import first_block, pages_needed, stored_after
+from scheduler_svc.state import CANCELLED, FAILED, FINISHED, RUNNING, RequestState, RequestStore
+from scheduler_svc.workers import Reservation, WorkerHandle, WorkerPool
 
 log = logging.getLogger("scheduler_svc.run")
 
-SPEC_VERSION = 1
 # A transient Redis failure (pool wait ran out, dropped connection, a restart) while a request
 # runs: retry the call with backoff for this long before the run gives up on Redis.
 REDIS_RETRY_S = 30.0
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
-BLOCK = 64   # cde.v1: block_index = start / 64 (page = diffusion block = attention tile)
 # The worker refused the request itself: retrying elsewhere cannot help.
 REQUEST_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                             grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND,
                             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED,
                             grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
-_REASON_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
-_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-            CANCELLED: common_pb2.FINISH_REASON_CANCELLED}
 
 
-# ---- spec ---------------------------------------------------------------------------------------
+# ---- what a run is given ------------------------------------------------------------------------
 
-def encode_spec(request: scheduler_pb2.SubmitRequest, deadline: float | None) -> str:
-    return json.dumps({"v": SPEC_VERSION, "deadline": deadline,
-                       "submit": json_format.MessageToDict(request, preserving_proto_field_name=True)},
-                      separators=(",", ":"))
-
-
-def decode_spec(spec: str) -> tuple[scheduler_pb2.SubmitRequest, float | None]:
-    d = json.loads(spec)
-    if d.get("v") != SPEC_VERSION:
-        raise ValueError(f"unknown spec version {d.get('v')!r}")
-    return json_format.ParseDict(d["submit"], scheduler_pb2.SubmitRequest()), d.get("deadline")
+@dataclass(frozen=True)
+class RunLimits:
+    queue_timeout_s: float   # how long a request waits for any worker before UNAVAILABLE
+    max_attempts: int        # lost/failed placements before a request fails
+    detach_grace_s: float    # after the last client stream leaves, before cancelling
 
 
-def first_block(request: scheduler_pb2.SubmitRequest) -> int:
-    """Absolute index of the request's first generated block. Redis numbers a request's
-    blocks from 0 (``RequestStore.append_block``); the wire uses absolute indices."""
-    return len(request.prompt_tokens) // BLOCK
-
-
-def stored_after(request: scheduler_pb2.SubmitRequest, after_block: int) -> int:
-    """The Redis ``after`` argument for blocks with absolute index > after_block."""
-    return max(-1, after_block - first_block(request))
-
-
-def accepted(request: scheduler_pb2.SubmitRequest) -> scheduler_pb2.SchedulerEvent:
-    return scheduler_pb2.SchedulerEvent(accepted=common_pb2.Accepted(
-        request_id=request.request_id, prompt_tokens=len(request.prompt_tokens), seed=request.decode.seed,
-        stop_ids=request.decode.stop_ids))
+@dataclass(frozen=True)
+class RunContext:
+    """What a request's run needs from the scheduler, handed to it."""
+    store: RequestStore
+    pool: WorkerPool
+    attribution: AttributionPool | None
+    slots: asyncio.Semaphore                               # at most max_running runs placed at once
+    limits: RunLimits
+    redis_failed: Callable[[Exception], Awaitable[None]]   # a Redis call failed (health follows)
+    closing: Callable[[], bool]                            # the scheduler is shutting down
+    ended: Callable[[RequestRun], None]                    # the run's task is over
 
 
 def stored_finished(st: RequestState, saved: bytes | None) -> common_pb2.Finished:
@@ -96,7 +82,8 @@ def stored_finished(st: RequestState, saved: bytes | None) -> common_pb2.Finishe
         return common_pb2.Finished(reason=common_pb2.FINISH_REASON_ERROR, message=st.error or "")
     if st.status == CANCELLED:
         return common_pb2.Finished(reason=common_pb2.FINISH_REASON_CANCELLED)
-    return common_pb2.Finished(reason=_REASONS.get(st.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED))
+    return common_pb2.Finished(reason=FINISH_REASON_BY_NAME.get(st.finish_reason or "",
+                                                                common_pb2.FINISH_REASON_UNSPECIFIED))
 
 
 # ---- fan-out ------------------------------------------------------------------------------------
@@ -128,13 +115,12 @@ class Outcome(enum.Enum):
 # ---- the run ------------------------------------------------------------------------------------
 
 class RequestRun:
-    def __init__(self, core: SchedulerCore, request: scheduler_pb2.SubmitRequest, deadline: float | None):
-        self.core = core
+    def __init__(self, ctx: RunContext, request: scheduler_pb2.SubmitRequest, deadline: float | None):
+        self.ctx = ctx
         self.request = request
         self.rid = request.request_id
         self.deadline = deadline
         self.subscribers: set[Subscriber] = set()
-        self.had_subscriber = False
         self.task: asyncio.Task | None = None
         self.done = False
         self.started = time.monotonic()
@@ -148,26 +134,25 @@ class RequestRun:
         self._lost_worker: str | None = None
         self._call = None
         self._last_worker: WorkerHandle | None = None
-        stops = set(request.decode.stop_ids)
+        stops = set(request.options.stop_ids)
         self.session = None
-        if core.attribution is not None and request.attribution != common_pb2.ATTRIBUTION_NONE:
-            self.session = AttributionSession(core.attribution, self.rid, request.model, request.attribution,
+        if ctx.attribution is not None and request.attribution != common_pb2.ATTRIBUTION_NONE:
+            self.session = AttributionSession(ctx.attribution, self.rid, request.model, request.attribution,
                                               request.attribution_top_k, stops, self._stored_blocks)
 
     # ---- subscribers --------------------------------------------------------------------------
     def subscribe(self, steps: bool) -> Subscriber:
         sub = Subscriber(steps)
         self.subscribers.add(sub)
-        self.had_subscriber = True
         return sub
 
     def unsubscribe(self, sub: Subscriber, client_gone: bool = True) -> None:
         """``client_gone=False``: the stream failed on our side (e.g. a Redis error while
         attaching), which must never cancel the request."""
         self.subscribers.discard(sub)
-        if self.subscribers or self.done or self.core.closing or not client_gone:
+        if self.subscribers or self.done or self.ctx.closing() or not client_gone:
             return
-        grace = self.core.opts.detach_grace_s
+        grace = self.ctx.limits.detach_grace_s
         if grace <= 0:
             self.cancel("client gone")
         else:
@@ -233,7 +218,7 @@ class RequestRun:
             await asyncio.shield(self._cancelled(self._cancel_reason))
         except redis.exceptions.RedisError as e:
             log.error("request %s: Redis failed (%s); left for recovery", self.rid, e)
-            await self.core.redis_failed(e)
+            await self.ctx.redis_failed(e)
             self._end(End(code=grpc.StatusCode.UNAVAILABLE, message=f"request state unavailable: {e}", final=False))
         except Exception as e:  # a bug: fail the request loudly rather than hang its clients
             log.exception("request %s failed in the scheduler", self.rid)
@@ -241,11 +226,9 @@ class RequestRun:
         finally:
             self.done = True
             if self.has_slot:
-                self.core.slots.release()
+                self.ctx.slots.release()
                 self.has_slot = False
-            if self.core.runs.get(self.rid) is self:
-                del self.core.runs[self.rid]
-            self.core.admission.observe(time.monotonic() - self.started)
+            self.ctx.ended(self)
             if self.session is not None:
                 await self.session.close()
 
@@ -269,7 +252,7 @@ class RequestRun:
                 if time.monotonic() + delay > give_up_at:
                     raise
                 log.warning("request %s: %s failed (%s); retrying in %.2fs", self.rid, what, e, delay)
-                await self.core.redis_failed(e)
+                await self.ctx.redis_failed(e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
@@ -285,7 +268,7 @@ class RequestRun:
                 if time.monotonic() + delay > give_up_at:
                     raise
                 log.warning("request %s: Redis failed (%s); starting over from Redis in %.1fs", self.rid, e, delay)
-                await self.core.redis_failed(e)
+                await self.ctx.redis_failed(e)
                 await asyncio.sleep(delay)
                 self._time_left()
                 delay = min(delay * 2, 1.0)
@@ -294,16 +277,15 @@ class RequestRun:
         if self.has_slot:
             return
         try:
-            await asyncio.wait_for(self.core.slots.acquire(), self._time_left())
+            await asyncio.wait_for(self.ctx.slots.acquire(), self._time_left())
         except asyncio.TimeoutError:
             raise DeadlinePassed() from None
         self.has_slot = True
 
     async def _drive(self) -> None:
-        store = self.core.store
+        store, pool, limits = self.ctx.store, self.ctx.pool, self.ctx.limits
         await self._acquire_slot()
-        opts = self.core.opts
-        pages = self.pages = -(-(len(self.request.prompt_tokens) + self.request.decode.max_new_tokens) // BLOCK)
+        pages = pages_needed(self.request)
         failures = 0
         while True:
             st = await store.get(self.rid)
@@ -313,58 +295,56 @@ class RequestRun:
             if st.status == RUNNING:   # an attempt nobody streams any more (e.g. before a restart)
                 await store.requeue(self.rid)
                 failures += 1
-                if failures > opts.max_attempts:
+                if failures > limits.max_attempts:
                     await self._give_up(grpc.StatusCode.UNAVAILABLE, "could not take the request over")
                     return
                 continue
-            wait = opts.queue_timeout_s
+            wait = limits.queue_timeout_s
             left = self._time_left()
-            worker = await self.core.pool.wait_for(self.request.model, self.avoid,
-                                                   wait if left is None else min(wait, left))
+            worker = await pool.wait_for(self.request.model, self.avoid, wait if left is None else min(wait, left))
             if worker is None:
                 self._time_left()
-                if self.request.model and self.core.pool.live():
+                if self.request.model and pool.live():
                     await self._give_up(grpc.StatusCode.NOT_FOUND, f"no worker serves model {self.request.model!r}")
                 else:
                     await self._give_up(grpc.StatusCode.UNAVAILABLE, f"no worker available within {wait:g}s")
                 return
             # Reserve the pages before the next await: the other runs of a burst pick meanwhile and
             # must see them, or they all land on the same worker.
-            worker.placed_pages += pages
-            worker.runs.add(self)   # counted in its free pages from now on (workers.py)
+            reservation = pool.reserve(worker, self.rid, pages, self.worker_lost)
             try:
                 claimed = await store.claim(self.rid, worker.worker_id)
                 st = await store.get(self.rid) if claimed else None
             except BaseException:
-                worker.placed_pages = max(0, worker.placed_pages - pages)
-                worker.runs.discard(self)
+                pool.release(reservation, placed=False)
                 raise
-            if not claimed:
-                worker.placed_pages = max(0, worker.placed_pages - pages)
-                worker.runs.discard(self)
-                continue   # cancelled meanwhile (seen above next round) or claimed by another instance
-            if st is None or st.status != RUNNING or st.worker != worker.worker_id:
-                worker.placed_pages = max(0, worker.placed_pages - pages)
-                worker.runs.discard(self)
+            # not claimed: cancelled meanwhile (seen above next round) or claimed by another instance
+            if not claimed or st is None or st.status != RUNNING or st.worker != worker.worker_id:
+                pool.release(reservation, placed=False)
                 continue
-            self.worker = self._last_worker = worker
-            try:
-                outcome = await self._stream(worker, st)
-            finally:
-                worker.runs.discard(self)
-                self.worker = None
+            outcome = await self._stream_reserved(reservation, st)
             if outcome is Outcome.DONE:
                 return
             failures += 1
-            if failures > opts.max_attempts:
+            if failures > limits.max_attempts:
                 await self._give_up(grpc.StatusCode.UNAVAILABLE, f"gave up after {failures} lost or failed placements")
                 return
             await store.requeue(self.rid, worker.worker_id)
             await asyncio.sleep(min(0.05 * failures, 1.0))
 
     # ---- one placement ----------------------------------------------------------------------------
+    async def _stream_reserved(self, reservation: Reservation, st: RequestState) -> Outcome:
+        """Stream from the reserved worker; the reservation ends with the stream."""
+        worker = reservation.worker
+        self.worker = self._last_worker = worker
+        try:
+            return await self._stream(worker, st)
+        finally:
+            self.ctx.pool.release(reservation)
+            self.worker = None
+
     async def _stored_blocks(self) -> list[common_pb2.BlockCommitted]:
-        return [common_pb2.BlockCommitted.FromString(p) for _, p in await self.core.store.blocks(self.rid)]
+        return [common_pb2.BlockCommitted.FromString(p) for _, p in await self.ctx.store.blocks(self.rid)]
 
     async def _stream(self, worker: WorkerHandle, st: RequestState) -> Outcome:
         blocks = await self._stored_blocks()
@@ -377,8 +357,7 @@ class RequestRun:
         submit = worker_pb2.WorkerSubmit(
             request_id=self.rid, prompt_tokens=r.prompt_tokens,
             committed_tokens=[t for b in blocks for t in b.tokens],
-            next_step=blocks[-1].next_step if blocks else 0, decode=r.decode, sampling=r.sampling,
-            stream_steps=r.stream_steps)
+            next_step=blocks[-1].next_step if blocks else 0, options=r.options, stream_steps=r.stream_steps)
         if r.HasField("steering"):
             submit.steering.CopyFrom(r.steering)
         call = worker.stub.Submit(submit, timeout=self._time_left())
@@ -420,15 +399,15 @@ class RequestRun:
 
     async def _worker_failed(self, worker: WorkerHandle, why: str) -> Outcome:
         log.warning("request %s: stream from worker %s failed: %s", self.rid, worker.worker_id, why)
-        if await self.core.pool.probe(worker):
+        if await self.ctx.pool.probe(worker):
             self.avoid.add(worker.worker_id)
         else:
-            await self.core.pool.declare_dead(worker.worker_id, why)
+            await self.ctx.pool.declare_dead(worker.worker_id, why)
         return Outcome.REPLACE
 
     async def _ownership_lost(self) -> Outcome:
         """Redis refused our append: the request ended, or was requeued under us."""
-        st = await self.core.store.get(self.rid)
+        st = await self.ctx.store.get(self.rid)
         if st is None or st.terminal:
             await self._end_from_store(st)
             return Outcome.DONE
@@ -445,8 +424,8 @@ class RequestRun:
                 block.token_attributions.extend(resp.token_attributions)
                 block.chunk_attributions.extend(resp.chunk_attributions)
         payload = block.SerializeToString()
-        result = await self._redis(lambda: self.core.store.append_block(self.rid, stored_index, payload,
-                                                                        len(block.tokens), attempt),
+        result = await self._redis(lambda: self.ctx.store.append_block(self.rid, stored_index, payload,
+                                                                       len(block.tokens), attempt),
                                    f"storing block {block.block_index}")
         if result == "stored":
             self.next_block = stored_index + 1
@@ -463,14 +442,15 @@ class RequestRun:
                            f"{self.first_block + self.next_block})")
 
     async def _finished(self, fin: common_pb2.Finished, attempt: int) -> Outcome:
-        store = self.core.store
+        store = self.ctx.store
         if fin.reason == common_pb2.FINISH_REASON_CANCELLED:   # cancelled at the worker directly
             await self._cancelled(fin.message or "cancelled by the worker")
             return Outcome.DONE
         if fin.reason == common_pb2.FINISH_REASON_ERROR:
             ok = await self._redis(lambda: store.fail(self.rid, fin.message or "worker error", attempt), "fail")
         else:
-            ok = await self._redis(lambda: store.finish(self.rid, _REASON_NAMES.get(fin.reason, "stop"), attempt),
+            # stop or length; an unspecified reason reads as stop
+            ok = await self._redis(lambda: store.finish(self.rid, FINISH_REASON_TEXT.get(fin.reason, "stop"), attempt),
                                    "finish")
         if not ok:
             return await self._ownership_lost()
@@ -482,13 +462,11 @@ class RequestRun:
     async def _save_end(self, fin: common_pb2.Finished) -> None:
         """Record how the request ended, for replays. Called right after the terminal
         transition succeeded, so the first ending wins (NX) and it expires with the request."""
-        await self._redis(lambda: self.core.store.redis.set(self.core.end_key(self.rid), fin.SerializeToString(),
-                                                            ex=self.core.store.finished_ttl_s, nx=True),
-                          "saving the ending")
+        await self._redis(lambda: self.ctx.store.save_ending(self.rid, fin.SerializeToString()), "saving the ending")
 
     async def _flush_stored(self) -> None:
         """Publish stored blocks a subscriber has not had (an interrupted commit)."""
-        for _, payload in await self.core.store.blocks(self.rid, stored_after(self.request, self.published_upto)):
+        for _, payload in await self.ctx.store.blocks(self.rid, stored_after(self.request, self.published_upto)):
             self._publish_block(common_pb2.BlockCommitted.FromString(payload))
 
     async def _end_from_store(self, st: RequestState | None) -> None:
@@ -498,11 +476,10 @@ class RequestRun:
                                   "or flushed); send it again"))
             return
         await self._flush_stored()
-        saved = await self.core.store.redis.get(self.core.end_key(self.rid))
-        self._end(End(finished=stored_finished(st, saved)))
+        self._end(End(finished=stored_finished(st, await self.ctx.store.ending(self.rid))))
 
     async def _cancelled(self, reason: str) -> None:
-        store = self.core.store
+        store = self.ctx.store
         fin = common_pb2.Finished(reason=common_pb2.FINISH_REASON_CANCELLED, message=reason)
         if await self._redis(lambda: store.cancel(self.rid), "cancel"):
             await self._save_end(fin)
@@ -523,7 +500,7 @@ class RequestRun:
 
     async def _give_up(self, code: grpc.StatusCode, message: str) -> None:
         """End the request with an error status for live subscribers (Finished ERROR on replay)."""
-        store = self.core.store
+        store = self.ctx.store
         log.warning("request %s failed: %s %s", self.rid, code.name, message)
         try:
             # still queued: cancelled is its only way out of the queue

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -36,16 +35,8 @@ from cde.rpc.serving import serve_until_signal
 from cde.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.admission import Admission
 from scheduler_svc.attribution import AttributionPool
-from scheduler_svc.run import (
-    End,
-    RequestRun,
-    Subscriber,
-    accepted,
-    decode_spec,
-    encode_spec,
-    stored_after,
-    stored_finished,
-)
+from scheduler_svc.run import End, RequestRun, RunContext, RunLimits, Subscriber, stored_finished
+from scheduler_svc.spec import accepted, check_submit, decode_spec, encode_spec, stored_after
 from scheduler_svc.state import RequestStore, _check_id
 from scheduler_svc.workers import WorkerIdTaken, WorkerPool
 
@@ -100,9 +91,18 @@ class SchedulerCore:
         self.serving = False    # what health says now
         self.closing = False
         self.started = time.monotonic()
+        self.run_context = RunContext(
+            store=self.store, pool=self.pool, attribution=self.attribution, slots=self.slots,
+            limits=RunLimits(opts.queue_timeout_s, opts.max_attempts, opts.detach_grace_s),
+            redis_failed=self.redis_failed, closing=lambda: self.closing, ended=self._run_ended)
 
-    def end_key(self, request_id: str) -> str:
-        return f"{self.opts.prefix}end:{request_id}"
+    def new_run(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> RequestRun:
+        return RequestRun(self.run_context, request, deadline)
+
+    def _run_ended(self, run: RequestRun) -> None:
+        if self.runs.get(run.rid) is run:
+            del self.runs[run.rid]
+        self.admission.observe(time.monotonic() - run.started)
 
     # ---- takeover -----------------------------------------------------------------------------------
     async def adopt(self, request_id: str) -> RequestRun | None:
@@ -118,7 +118,7 @@ class SchedulerCore:
             log.error("request %s has an unreadable spec (%s): cancelling it", request_id, e)
             await self.store.cancel(request_id)
             return None
-        run = RequestRun(self, request, deadline)
+        run = self.new_run(request, deadline)
         self.runs[request_id] = run
         run.start()
         log.info("took over request %s (%s, block %d)", request_id, st.status, st.next_block)
@@ -128,17 +128,9 @@ class SchedulerCore:
         for rid in ids:
             await self.adopt(rid)
 
-    async def _running_ids(self) -> list[str]:
-        prefix = self.store.running_key("")
-        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
-        ids: set[str] = set()
-        async for key in self.redis.scan_iter(match=pattern, count=1000):
-            ids.update(m.decode() for m in await self.redis.smembers(key))
-        return sorted(ids)
-
     async def sweep(self) -> None:
         """Take over queued requests and running ones nobody here streams."""
-        for rid in await self._running_ids():
+        for rid in await self.store.all_running_ids():
             if rid not in self.runs:
                 await self.store.requeue(rid)
                 await self.adopt(rid)
@@ -270,8 +262,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         core = self.core
         rid = request.request_id
         await self._check_id(context, rid)
-        if not request.prompt_tokens:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must not be empty")
+        problem = check_submit(request)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if rid not in core.runs:
             # Admission before any Redis work: under a burst the excess is refused from memory
             # (429 + retry hint) instead of queueing on, and exhausting, the Redis pool. An id
@@ -283,11 +276,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                     trailing_metadata=(("retry-after-ms", str(retry_ms)),))
             req = scheduler_pb2.SubmitRequest()
             req.CopyFrom(request)
-            if not req.decode.HasField("seed"):   # resuming elsewhere must draw the same numbers
-                req.decode.seed = int.from_bytes(os.urandom(8), "little") >> 1
             remaining = context.time_remaining()
             deadline = time.time() + remaining if remaining is not None else None
-            run = RequestRun(core, req, deadline)
+            run = core.new_run(req, deadline)
             core.runs[rid] = run   # no await since the admission check: the count stays exact
             sub = run.subscribe(req.stream_steps)
             try:
@@ -379,7 +370,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def _stored_finished(self, st) -> common_pb2.Finished:
         saved = None
         for _ in range(10):   # the end record follows the terminal transition by one round trip
-            saved = await self.core.redis.get(self.core.end_key(st.id))
+            saved = await self.core.store.ending(st.id)
             if saved:
                 break
             await asyncio.sleep(0.05)

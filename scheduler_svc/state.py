@@ -41,6 +41,8 @@ Keys (``P`` = prefix, default ``cde:``)::
     P req:{id}          hash  status worker prompt_tokens committed_tokens next_block
                               created_at updated_at finish_reason error spec attempt
     P req:{id}:blocks   hash  block_index -> payload bytes (opaque)
+    P end:{id}          str   how the request ended (a Finished message, bytes), for replays;
+                              written once (NX) after the terminal transition, same TTL
     P queue             zset  id, score = first enqueue time (server clock, seconds)
     P running:{worker}  set   ids running on that worker
     P workers           hash  worker_id -> JSON {"heartbeat": t, "registered_at": t, "info": {...}}
@@ -225,6 +227,11 @@ def _s(v) -> str:
     return v.decode("utf-8") if isinstance(v, (bytes, bytearray)) else str(v)
 
 
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a SCAN MATCH pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
 def _check_id(what: str, value: str) -> str:
     if not isinstance(value, str) or not value or len(value) > 512:
         raise ValueError(f"{what} must be a non-empty str of at most 512 chars, got {value!r}")
@@ -277,6 +284,9 @@ class RequestStore:
 
     def running_key(self, worker: str) -> str:
         return f"{self._running_prefix}{worker}"
+
+    def end_key(self, request_id: str) -> str:
+        return f"{self.prefix}end:{request_id}"
 
     # ----------------------------------------------------------- transitions
     async def create(self, request_id: str, spec: str, prompt_tokens: int) -> bool:
@@ -373,7 +383,22 @@ class RequestStore:
                     moved.append(rid)
         return sorted(moved)
 
+    async def save_ending(self, request_id: str, payload: bytes) -> bool:
+        """Record how a request ended (opaque bytes). The first ending wins (NX) and it expires
+        with the request (``finished_ttl_s``): call it right after the terminal transition.
+        False when an ending was already saved."""
+        _check_id("request id", request_id)
+        if not isinstance(payload, (bytes, bytearray)):
+            raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+        return bool(await self.redis.set(self.end_key(request_id), bytes(payload), ex=self.finished_ttl_s, nx=True))
+
     # ----------------------------------------------------------------- reads
+    async def ending(self, request_id: str) -> bytes | None:
+        """The saved ending of ``save_ending``, or None."""
+        _check_id("request id", request_id)
+        v = await self.redis.get(self.end_key(request_id))
+        return None if v is None else bytes(v)
+
     async def get(self, request_id: str) -> RequestState | None:
         _check_id("request id", request_id)
         h = await self.redis.hgetall(self.req_key(request_id))
@@ -410,6 +435,14 @@ class RequestStore:
         """Queued ids, oldest first (a requeued request keeps its first enqueue time)."""
         return [_s(x) for x in await self.redis.zrange(self.queue_key, 0, -1)]
 
+    async def all_running_ids(self) -> list[str]:
+        """Ids in any worker's running set (SCAN), sorted: what a restarted scheduler takes over."""
+        pattern = _glob_escape(self._running_prefix) + "*"
+        ids: set[str] = set()
+        async for key in self.redis.scan_iter(match=pattern, count=1000):
+            ids.update(_s(m) for m in await self.redis.smembers(key))
+        return sorted(ids)
+
     async def running_ids(self, worker: str) -> list[str]:
         _check_id("worker id", worker)
         return sorted(_s(x) for x in await self.redis.smembers(self.running_key(worker)))
@@ -423,7 +456,7 @@ class RequestStore:
     async def scan_counts(self) -> dict[str, int]:
         """Requests present in Redis by status, recounted with SCAN (O(keys))."""
         out = {st: 0 for st in STATUSES}
-        pat = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + "req:*"
+        pat = _glob_escape(self.prefix) + "req:*"
         keys = [k async for k in self.redis.scan_iter(match=pat, count=1000)]
         keys = [k for k in keys if not _s(k).endswith(":blocks")]
         if not keys:

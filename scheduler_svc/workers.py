@@ -13,6 +13,10 @@ pages, where "free" is the last heartbeat's figure minus the pages of the reques
 on it since that heartbeat (so a burst does not all land on the same worker), capped by the
 total minus the pages of the requests streaming from it (a heartbeat may predate the
 engine's allocation for them).
+
+Reservations: the pool owns that bookkeeping. A run calls ``reserve`` when it picks a worker
+(before its next await, so the other runs of a burst see the pages), and ``release`` when its
+stream there ends, or with ``placed=False`` when the placement did not happen after all.
 """
 
 from __future__ import annotations
@@ -40,13 +44,22 @@ class WorkerIdTaken(Exception):
 
 
 @dataclass(eq=False)
+class Reservation:
+    """KV pages a request holds on a worker, from placement until its stream there ends."""
+    worker: WorkerHandle
+    request_id: str
+    pages: int
+    on_lost: Callable[[str], None]   # called with the worker id when the pool declares it dead
+
+
+@dataclass(eq=False)
 class WorkerHandle:
     worker_id: str
     info: scheduler_pb2.WorkerInfo
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
     placed_pages: int = 0              # pages placed here since the last heartbeat
-    runs: set = field(default_factory=set)  # RequestRuns streaming from it (this instance)
+    reservations: set[Reservation] = field(default_factory=set)  # requests streaming from it (this instance)
     dead: bool = False
     probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     probed_at: float = 0.0
@@ -59,7 +72,7 @@ class WorkerHandle:
         arrive before the engine has allocated for requests just placed (its figure then
         still counts their pages as free)."""
         reported = int(self.info.kv_pages_free) - self.placed_pages
-        streaming = int(self.info.kv_pages_total) - sum(getattr(r, "pages", 0) for r in self.runs)
+        streaming = int(self.info.kv_pages_total) - sum(r.pages for r in self.reservations)
         return min(reported, streaming)
 
 
@@ -155,7 +168,23 @@ class WorkerPool:
         preferred = [h for h in cands if h.worker_id not in avoid] or cands
         if not preferred:
             return None
-        return max(preferred, key=lambda h: (h.free_pages, -len(h.runs), h.worker_id))
+        return max(preferred, key=lambda h: (h.free_pages, -len(h.reservations), h.worker_id))
+
+    def reserve(self, worker: WorkerHandle, request_id: str, pages: int,
+                on_lost: Callable[[str], None]) -> Reservation:
+        """Count ``pages`` on ``worker`` for a request placed there (free pages drop at once)."""
+        res = Reservation(worker, request_id, pages, on_lost)
+        worker.placed_pages += pages
+        worker.reservations.add(res)
+        return res
+
+    def release(self, res: Reservation, placed: bool = True) -> None:
+        """The request's stream from the worker ended. ``placed=False``: the placement did not
+        happen (the claim was refused or failed), so its pages no longer count as placed either;
+        otherwise the next heartbeat's figure accounts for them."""
+        res.worker.reservations.discard(res)
+        if not placed:
+            res.worker.placed_pages = max(0, res.worker.placed_pages - res.pages)
 
     async def wait_for(self, model: str, avoid: set[str], timeout_s: float) -> WorkerHandle | None:
         """The best worker for ``model``, waiting up to ``timeout_s`` for one to appear."""
@@ -193,8 +222,8 @@ class WorkerPool:
         h = self.workers.pop(worker_id, None)
         if h is not None:
             h.dead = True
-            for run in list(h.runs):
-                run.worker_lost(worker_id)
+            for res in list(h.reservations):
+                res.on_lost(worker_id)
         if not await self.store.remove_worker(worker_id) and h is None:
             return   # someone got here first
         log.warning("worker %s is dead (%s): re-placing its requests", worker_id, why)

@@ -25,7 +25,7 @@ from cde.qwen3.chat import load_chat_tokenizer
 from cde.qwen3.config import Qwen3Config
 from cde.qwen3.loading import load_qwen3
 from cde.qwen3.make_tiny import CONFIG, make_tiny
-from cde.rpc.v1 import common_pb2, generate_pb2
+from cde.rpc.v1 import common_pb2, generate_pb2, resolved_pb2
 from gateway.pipeline import ModelCard
 from tests.stack_fixture import running_stack
 
@@ -67,10 +67,12 @@ def test_gateway_resolves_causal_options_and_refuses_concept_features():
     assert card.causal and card.info().family == "causal" and card.max_context == CONFIG.max_positions
     pipe = Pipeline(card, backends=None, limits=Limits(), metrics=GatewayMetrics(card.id))
     d = pipe.resolve_decode(common_pb2.DecodeOptions(max_new_tokens=8), 10)
-    assert d.isd_stride == 4 and d.tokens_per_step == 1
-    assert pipe.resolve_decode(common_pb2.DecodeOptions(max_new_tokens=8, isd_stride=1), 10).isd_stride == 1
+    assert d.isd.stride == 4 and d.WhichOneof("decoder") == "isd"   # no tokens_per_step: one token per ISD slot
+    assert d.isd.adapter == resolved_pb2.ISD_ADAPTER_GATED
+    assert pipe.resolve_decode(common_pb2.DecodeOptions(max_new_tokens=8, isd_stride=1), 10).isd.stride == 1
     s = pipe.resolve_sampling(common_pb2.SamplingOptions())
     assert (s.use_entropy_sampling, s.temperature, s.top_p, s.repetition_penalty) == (False, 1.0, 1.0, 1.0)
+    assert s.top_k == 0
     bad = [
         (lambda: pipe.resolve_decode(common_pb2.DecodeOptions(max_new_tokens=8, isd_stride=9), 10), "decode.stride"),
         (lambda: pipe.resolve_decode(common_pb2.DecodeOptions(max_new_tokens=8, tokens_per_step=2), 10),

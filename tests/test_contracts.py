@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cde.rpc import (MAX_MESSAGE_BYTES, bytes_to_floats, channel_options, floats_to_bytes, make_server,
                      service_name)
+from cde.rpc import resolved
 from cde.rpc.compat import check, load, loaded_descriptor_set
 from cde.rpc.v1 import (attribution_pb2, attribution_pb2_grpc, common_pb2, generate_pb2, generate_pb2_grpc,
                         scheduler_pb2, scheduler_pb2_grpc, steering_pb2, steering_pb2_grpc, worker_pb2,
@@ -296,7 +297,7 @@ class Scheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(self, request, context):
         _called("Scheduler", "Submit")
         yield scheduler_pb2.SchedulerEvent(accepted=common_pb2.Accepted(
-            request_id=request.request_id, prompt_tokens=len(request.prompt_tokens), seed=request.decode.seed))
+            request_id=request.request_id, prompt_tokens=len(request.prompt_tokens), seed=request.options.seed))
         yield scheduler_pb2.SchedulerEvent(block=common_pb2.BlockCommitted(
             block_index=1, start=64, tokens=[5, 6], records=_records()))
         yield scheduler_pb2.SchedulerEvent(finished=common_pb2.Finished(reason=common_pb2.FINISH_REASON_STOP,
@@ -464,7 +465,7 @@ def test_every_rpc_through_the_generated_stubs():
 
             sched = scheduler_pb2_grpc.SchedulerStub(ch)
             events = [e async for e in sched.Submit(scheduler_pb2.SubmitRequest(
-                request_id="r1", prompt_tokens=[1, 2, 3], decode=common_pb2.DecodeOptions(seed=7),
+                request_id="r1", prompt_tokens=[1, 2, 3], options=resolved.block_diffusion(seed=7, max_new_tokens=8),
                 steering=common_pb2.PreparedSteering(direction_f32=floats_to_bytes([1.0, 0.0])),
                 attribution=common_pb2.ATTRIBUTION_TOKENS))]
             assert [e.WhichOneof("event") for e in events] == ["accepted", "block", "finished"]

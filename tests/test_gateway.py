@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from cde.rpc import make_server, service_name
-from cde.rpc.v1 import (common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc,
+from cde.rpc.v1 import (common_pb2, generate_pb2, generate_pb2_grpc, resolved_pb2, scheduler_pb2, scheduler_pb2_grpc,
                         steering_pb2, steering_pb2_grpc)
 from cde.steerling.tokenizer import ByteTokenizer
 from gateway.app import _validation_status
@@ -66,7 +66,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         n = len(request.prompt_tokens)
         try:
             yield scheduler_pb2.SchedulerEvent(accepted=common_pb2.Accepted(
-                request_id=request.request_id, prompt_tokens=n, seed=request.decode.seed))
+                request_id=request.request_id, prompt_tokens=n, seed=request.options.seed))
             start = n
             for i, toks in enumerate(BLOCKS):
                 if i and self.mode == "slow":
@@ -306,9 +306,12 @@ def test_completion_non_stream_resolves_every_option(client: httpx.Client, stack
     assert len(cde["chunk_attributions"]) == 2 and cde["chunk_attributions"][0]["top"][0]["label"] == "Known: river"
     (sub,) = stack.scheduler.submits
     assert list(sub.prompt_tokens) == list(b"Hi") and sub.model == MODEL and sub.request_id in body["id"]
-    assert all(sub.sampling.HasField(f) for f in ("use_entropy_sampling", "temperature", "top_p", "repetition_penalty"))
-    assert sub.sampling.use_entropy_sampling and sub.decode.max_new_tokens == 16 and sub.decode.tokens_per_step == 1
-    assert sub.decode.HasField("seed") and 0 <= sub.decode.seed < 2**63 and cde["seed"] == sub.decode.seed
+    # every sampling field resolved: the Steerling defaults, exactly (no field left for the worker)
+    assert sub.options.sampling == resolved_pb2.ResolvedSampling(use_entropy_sampling=True, temperature=1.2,
+                                                                 top_p=0.8, repetition_penalty=1.1)
+    opts = sub.options
+    assert opts.sampling.use_entropy_sampling and opts.max_new_tokens == 16 and opts.block_diffusion.tokens_per_step == 1
+    assert sub.HasField("options") and 0 <= opts.seed < 2**63 and cde["seed"] == opts.seed
     assert sub.attribution == common_pb2.ATTRIBUTION_ALL and sub.attribution_top_k == 4
     assert not sub.HasField("steering")
 
@@ -320,11 +323,12 @@ def test_openai_sampling_fields_map_onto_steerling_options(client: httpx.Client,
     assert completion(client, temperature=0.5, sampling={"use_entropy_sampling": True, "repetition_penalty": 1.3},
                       stop_token_ids=[10, 10, 32]).status_code == 200
     a, b = stack.scheduler.submits
+    a, b = a.options, b.options
     assert not a.sampling.use_entropy_sampling and a.sampling.temperature == pytest.approx(0.5)
-    assert a.sampling.top_p == pytest.approx(0.9) and a.decode.seed == 7
-    assert a.decode.tokens_per_step == 4 and a.decode.confidence_threshold == pytest.approx(0.9)
+    assert a.sampling.top_p == pytest.approx(0.9) and a.seed == 7
+    assert a.block_diffusion.tokens_per_step == 4 and a.block_diffusion.confidence_threshold == pytest.approx(0.9)
     assert b.sampling.use_entropy_sampling and b.sampling.repetition_penalty == pytest.approx(1.3)
-    assert list(b.decode.stop_ids) == [10, 32]
+    assert list(b.stop_ids) == [10, 32]
 
 
 @pytest.mark.e2e
@@ -358,7 +362,7 @@ def test_chat_completion_applies_template_stream_and_not(client: httpx.Client, s
     want = ByteTokenizer().apply_chat_template([{"role": "system", "content": "Be brief."},
                                                 {"role": "user", "content": "Hi"}])
     assert list(stack.scheduler.submits[0].prompt_tokens) == want
-    assert stack.scheduler.submits[0].decode.max_new_tokens == 8
+    assert stack.scheduler.submits[0].options.max_new_tokens == 8
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "stream": True})
     frames = sse_frames(r.text)
     chunks = [json.loads(f) for f in frames[:-1]]
@@ -632,7 +636,7 @@ def test_grpc_generate_streams_the_same_blocks_as_rest(gw: GatewayHandle, client
         assert [list(b.tokens) for b in blocks] == [b["tokens"] for b in rest_blocks]
         assert [b.block_index for b in blocks] == [b["block_index"] for b in rest_blocks]
         assert blocks[0].token_attributions[0].top[0].label == "Known: ocean"
-        assert events[0].accepted.seed == stack.scheduler.submits[-1].decode.seed
+        assert events[0].accepted.seed == stack.scheduler.submits[-1].options.seed
         assert events[-1].finished.reason == common_pb2.FINISH_REASON_STOP
         assert events[-1].finished.usage.completion_tokens == N_OUT
 

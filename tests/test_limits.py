@@ -26,9 +26,9 @@ import pytest
 
 from cde import limits as L
 from cde.launch import ROOT, TINY_MODEL as DEFAULT_MODEL
-from cde.rpc import channel_options
-from cde.rpc.v1 import (common_pb2, generate_pb2, generate_pb2_grpc, steering_pb2, steering_pb2_grpc, worker_pb2,
-                        worker_pb2_grpc)
+from cde.rpc import channel_options, resolved
+from cde.rpc.v1 import (common_pb2, generate_pb2, generate_pb2_grpc, resolved_pb2, steering_pb2, steering_pb2_grpc,
+                        worker_pb2, worker_pb2_grpc)
 from cde.steerling.config import SteerlingConfig
 from tests.stack_fixture import running_stack, service
 
@@ -109,9 +109,16 @@ def test_causal_worker_options_use_the_same_bounds() -> None:
     from worker_svc.request_options import isd_options
     from worker_svc.validation import BadRequest
 
+    def submit(stride: int, **sampling: float) -> worker_pb2.WorkerSubmit:
+        """A causal request as the gateway resolves it: the causal defaults, `sampling` overriding."""
+        s = resolved.sampling(L.CAUSAL_SAMPLING)
+        for name, value in sampling.items():
+            setattr(s, name, value)
+        return worker_pb2.WorkerSubmit(options=resolved.isd(seed=1, max_new_tokens=4, stride=stride,
+                                                            sampling_options=s))
+
     def opts(**sampling: float):
-        return isd_options(common_pb2.DecodeOptions(max_new_tokens=4, isd_stride=L.MAX_STRIDE, seed=1),
-                           common_pb2.SamplingOptions(**sampling), L.MAX_STRIDE)
+        return isd_options(submit(L.MAX_STRIDE, **sampling), L.MAX_STRIDE, token_limit=1000)
 
     assert opts(temperature=L.TEMPERATURE_MAX, top_p=L.TOP_P_MAX).temperature == L.TEMPERATURE_MAX
     greedy = opts(temperature=1.0, top_p=L.TOP_P_MIN)   # the gateway lets top_p 0 through: greedy
@@ -123,9 +130,8 @@ def test_causal_worker_options_use_the_same_bounds() -> None:
                        ({"top_p": above32(L.TOP_P_MAX)}, "top_p"), ({"top_p": below32(L.TOP_P_MIN)}, "top_p")):
         with pytest.raises(BadRequest, match=field):
             opts(**bad)
-    with pytest.raises(BadRequest, match="isd_stride"):
-        isd_options(common_pb2.DecodeOptions(max_new_tokens=4, isd_stride=L.MAX_STRIDE + 1),
-                    common_pb2.SamplingOptions(), L.MAX_STRIDE)
+    with pytest.raises(BadRequest, match="isd.stride"):
+        isd_options(submit(L.MAX_STRIDE + 1), L.MAX_STRIDE, token_limit=1000)
 
 
 # ---- the stack ----------------------------------------------------------------------------------
@@ -406,36 +412,41 @@ def test_public_grpc_and_steering_svc_apply_the_same_bounds(stack) -> None:
 
 
 def worker_submit(**overrides: Any) -> worker_pb2.WorkerSubmit:
-    decode = common_pb2.DecodeOptions(max_new_tokens=1, tokens_per_step=1, seed=1)
-    sampling = common_pb2.SamplingOptions(use_entropy_sampling=False, temperature=1.0, top_p=0.8,
-                                          repetition_penalty=1.1)
-    req = worker_pb2.WorkerSubmit(request_id=uuid.uuid4().hex, prompt_tokens=list(b"Hi"), decode=decode,
-                                  sampling=sampling)
+    """A WorkerSubmit as the scheduler sends it; ``overrides`` set fields by dotted path
+    ("options.sampling.temperature")."""
+    options = resolved.block_diffusion(seed=1, max_new_tokens=1, tokens_per_step=1,
+                                       sampling_options=resolved_pb2.ResolvedSampling(
+                                           use_entropy_sampling=False, temperature=1.0, top_p=0.8,
+                                           repetition_penalty=1.1))
+    req = worker_pb2.WorkerSubmit(request_id=uuid.uuid4().hex, prompt_tokens=list(b"Hi"), options=options)
     for path, value in overrides.items():
-        msg_name, field = path.split(".")
-        setattr(getattr(req, msg_name), field, value)
+        *parents, field = path.split(".")
+        msg = req
+        for name in parents:
+            msg = getattr(msg, name)
+        setattr(msg, field, value)
     return req
 
 
 WORKER_CASES: list[tuple[str, dict[str, Any], str | None]] = [
-    ("temperature min", {"sampling.temperature": L.TEMPERATURE_MIN}, None),
-    ("temperature max", {"sampling.temperature": L.TEMPERATURE_MAX}, None),
-    ("temperature below", {"sampling.temperature": below32(L.TEMPERATURE_MIN)}, "temperature"),
-    ("temperature above", {"sampling.temperature": above32(L.TEMPERATURE_MAX)}, "temperature"),
-    ("top_p min", {"sampling.top_p": L.TOP_P_MIN}, None),
-    ("top_p max", {"sampling.top_p": L.TOP_P_MAX}, None),
-    ("top_p below", {"sampling.top_p": below32(L.TOP_P_MIN)}, "top_p"),
-    ("top_p above", {"sampling.top_p": above32(L.TOP_P_MAX)}, "top_p"),
-    ("repetition_penalty max", {"sampling.repetition_penalty": L.REPETITION_PENALTY_MAX}, None),
-    ("repetition_penalty 0", {"sampling.repetition_penalty": 0.0}, "repetition_penalty"),
-    ("repetition_penalty above", {"sampling.repetition_penalty": above32(L.REPETITION_PENALTY_MAX)},
+    ("temperature min", {"options.sampling.temperature": L.TEMPERATURE_MIN}, None),
+    ("temperature max", {"options.sampling.temperature": L.TEMPERATURE_MAX}, None),
+    ("temperature below", {"options.sampling.temperature": below32(L.TEMPERATURE_MIN)}, "temperature"),
+    ("temperature above", {"options.sampling.temperature": above32(L.TEMPERATURE_MAX)}, "temperature"),
+    ("top_p min", {"options.sampling.top_p": L.TOP_P_MIN}, None),
+    ("top_p max", {"options.sampling.top_p": L.TOP_P_MAX}, None),
+    ("top_p below", {"options.sampling.top_p": below32(L.TOP_P_MIN)}, "top_p"),
+    ("top_p above", {"options.sampling.top_p": above32(L.TOP_P_MAX)}, "top_p"),
+    ("repetition_penalty max", {"options.sampling.repetition_penalty": L.REPETITION_PENALTY_MAX}, None),
+    ("repetition_penalty 0", {"options.sampling.repetition_penalty": 0.0}, "repetition_penalty"),
+    ("repetition_penalty above", {"options.sampling.repetition_penalty": above32(L.REPETITION_PENALTY_MAX)},
      "repetition_penalty"),
-    ("tokens_per_step max", {"decode.tokens_per_step": BLOCK}, None),
-    ("tokens_per_step above", {"decode.tokens_per_step": BLOCK + 1}, "tokens_per_step"),
-    ("threshold max", {"decode.confidence_threshold": L.THRESHOLD_MAX}, None),
-    ("threshold 0", {"decode.confidence_threshold": 0.0}, "confidence_threshold"),
-    ("threshold above", {"decode.confidence_threshold": above32(L.THRESHOLD_MAX)}, "confidence_threshold"),
-    ("seed max", {"decode.seed": L.SEED_MAX}, None),
+    ("tokens_per_step max", {"options.block_diffusion.tokens_per_step": BLOCK}, None),
+    ("tokens_per_step above", {"options.block_diffusion.tokens_per_step": BLOCK + 1}, "tokens_per_step"),
+    ("threshold max", {"options.block_diffusion.confidence_threshold": L.THRESHOLD_MAX}, None),
+    ("threshold 0", {"options.block_diffusion.confidence_threshold": 0.0}, "confidence_threshold"),
+    ("threshold above", {"options.block_diffusion.confidence_threshold": above32(L.THRESHOLD_MAX)}, "confidence_threshold"),
+    ("seed max", {"options.seed": L.SEED_MAX}, None),
 ]
 
 
@@ -454,10 +465,19 @@ def test_worker_applies_the_same_bounds(stack) -> None:
             cases: list[tuple[str, worker_pb2.WorkerSubmit, str | None]] = [
                 (w, worker_submit(**o), p) for w, o, p in WORKER_CASES]
             stops_ok = worker_submit()
-            stops_ok.decode.stop_ids.extend(range(100, 100 + L.MAX_STOP_IDS))
+            stops_ok.options.stop_ids.extend(range(100, 100 + L.MAX_STOP_IDS))
             stops_bad = worker_submit()
-            stops_bad.decode.stop_ids.extend(range(100, 101 + L.MAX_STOP_IDS))
+            stops_bad.options.stop_ids.extend(range(100, 101 + L.MAX_STOP_IDS))
             cases += [("stop ids max", stops_ok, None), ("stop ids too many", stops_bad, "stop_ids")]
+            # nothing is defaulted after the gateway: an unresolved request names what is missing
+            no_options, no_sampling, isd_here = worker_submit(), worker_submit(), worker_submit()
+            no_options.ClearField("options")
+            no_sampling.options.ClearField("sampling")
+            isd_here.options.isd.stride = 2
+            cases += [("no options", no_options, "options"), ("no sampling", no_sampling, "options.sampling"),
+                      ("isd on a block-diffusion worker", isd_here, "options.block_diffusion"),
+                      ("tokens_per_step 0", worker_submit(**{"options.block_diffusion.tokens_per_step": 0}),
+                       "tokens_per_step")]
             for what, field, value, param in (
                     ("inject_layer min", "inject_layer", 1, None), ("inject_layer max", "inject_layer", N_LAYERS, None),
                     ("inject_layer 0", "inject_layer", 0, "inject_layer"),

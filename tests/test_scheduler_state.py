@@ -445,13 +445,6 @@ def test_embedded_redis_lifecycle_and_errors(tmp_path, monkeypatch):
         redis_server_binary()
 
 
-class _Run:
-    """A RequestRun as the pool sees it (hashable by identity, with its pages)."""
-
-    def __init__(self, pages: int):
-        self.pages = pages
-
-
 def test_placement_counts_streaming_requests_even_after_a_heartbeat_reset():
     """A heartbeat can report pages as free that requests placed just before it will take
     (the engine allocates on admission): free pages are capped by total - pages of the requests
@@ -468,8 +461,7 @@ def test_placement_counts_streaming_requests_even_after_a_heartbeat_reset():
 
     def place() -> str:
         h = pool.pick("m", set())
-        h.placed_pages += 30
-        h.runs.add(_Run(pages=30))
+        pool.reserve(h, "r", 30, on_lost=lambda _: None)
         return h.worker_id
 
     assert [place() for _ in range(3)] == ["a", "b", "a"]

@@ -26,12 +26,12 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from cde.rpc import floats_to_bytes, make_server, service_name
+from cde.rpc import floats_to_bytes, make_server, resolved, service_name
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cde.redis_util import free_port
-from cde.rpc.v1 import (attribution_pb2, attribution_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc,
-                        worker_pb2, worker_pb2_grpc)
+from cde.rpc.v1 import (attribution_pb2, attribution_pb2_grpc, common_pb2, resolved_pb2, scheduler_pb2,
+                        scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc)
 from cde.steerling.loading import load_model
 from cde.steerling.reference_decoder import DecodeOptions, clean_output, generate, terminal_ids
 from cde.steerling.sampling import SamplingParams
@@ -65,9 +65,10 @@ def prompt_of(n: int, offset: int = 1) -> list[int]:
 def submit_request(rid: str, prompt: list[int], max_new: int, seed: int, k: int = 1, **kw) -> scheduler_pb2.SubmitRequest:
     return scheduler_pb2.SubmitRequest(
         request_id=rid, model="steerling-tiny", prompt_tokens=prompt,
-        decode=common_pb2.DecodeOptions(max_new_tokens=max_new, tokens_per_step=k, seed=seed),
-        sampling=common_pb2.SamplingOptions(use_entropy_sampling=True, temperature=1.2, top_p=0.8,
-                                            repetition_penalty=1.1), **kw)
+        options=resolved.block_diffusion(seed=seed, max_new_tokens=max_new, tokens_per_step=k,
+                                         sampling_options=resolved_pb2.ResolvedSampling(
+                                             use_entropy_sampling=True, temperature=1.2, top_p=0.8,
+                                             repetition_penalty=1.1)), **kw)
 
 
 def run(coro_fn, *args, refs=()):

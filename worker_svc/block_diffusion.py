@@ -69,7 +69,7 @@ def parse_submit(req: worker_pb2.WorkerSubmit, cfg: SteerlingConfig, token_limit
                  pages_usable: int) -> Job:
     """Validate a WorkerSubmit; raises BadRequest with the status code to answer."""
     prompt = checked_prompt(req, token_limit, cfg.mask_id)
-    options = block_diffusion_options(req.decode, req.sampling, cfg, token_limit)
+    options = block_diffusion_options(req, cfg, token_limit)
     if len(prompt) + options.max_new_tokens > cfg.block_size:
         raise BadRequest(f"prompt ({len(prompt)}) + max_new_tokens ({options.max_new_tokens}) exceeds the "
                          f"context of {cfg.block_size}")

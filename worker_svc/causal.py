@@ -3,9 +3,9 @@
 Same service and `Submit` (service.py), same stream shape as the Steerling family
 (block_diffusion.py), different translation:
 
-* options (request_options.isd_options): `decode.isd_stride` N (1 = plain AR, >= 2 = introspective strided decoding;
-  0 is read as 1), temperature and top_p (T = 0: greedy); block-diffusion knobs
-  (tokens_per_step > 1, confidence threshold, entropy sampling, repetition penalty) and
+* options (request_options.isd_options): the resolved `options.isd` (stride N: 1 = plain AR,
+  >= 2 = introspective strided decoding; the LoRA adapter gated (R-ISD) or not), temperature,
+  top_p and top_k (T = 0: greedy); block diffusion, entropy sampling, a repetition penalty and
   steering are refused with INVALID_ARGUMENT: a causal model has no concepts, and a penalty
   would break ISD's lossless acceptance rule;
 * events: the engine accepts a few tokens per step (it stops at the model's EOS and the
@@ -31,7 +31,7 @@ from worker_svc.engine.isd_engine import IsdEngine
 from worker_svc.engine.runtime import EngineStats
 from worker_svc.family import EventTranslator, Job
 from worker_svc.request_options import isd_options
-from worker_svc.validation import BadRequest, check_stop_ids, checked_prompt
+from worker_svc.validation import BadRequest, checked_prompt
 
 CHUNK_TOKENS = 16   # tokens per streamed chunk: latency vs one Redis write per chunk
 
@@ -48,11 +48,10 @@ def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_li
     prompt = checked_prompt(req, token_limit, cfg.mask_token_id)
     if req.HasField("steering"):
         raise BadRequest("steering is not available for a causal model (it has no concepts)")
-    options = isd_options(req.decode, req.sampling, max_stride)
+    options = isd_options(req, max_stride, token_limit)
     if len(prompt) + options.max_new_tokens > cfg.max_positions:
         raise BadRequest(f"prompt ({len(prompt)}) + max_new_tokens ({options.max_new_tokens}) exceeds the "
                                f"context of {cfg.max_positions}")
-    check_stop_ids(list(req.decode.stop_ids), token_limit)
     committed = list(req.committed_tokens)
     if any(t >= cfg.vocab_size for t in committed) or len(committed) >= options.max_new_tokens:
         raise BadRequest("committed_tokens must be vocabulary ids, fewer than max_new_tokens")
@@ -62,7 +61,7 @@ def parse_causal_submit(req: worker_pb2.WorkerSubmit, cfg: Qwen3Config, token_li
                                grpc.StatusCode.RESOURCE_EXHAUSTED)
     return Job(request_id=req.request_id, prompt=prompt, options=options, committed=committed,
                next_step=req.next_step, stream_steps=req.stream_steps,
-               stop_ids=frozenset(cfg.eos_token_ids) | frozenset(req.decode.stop_ids))
+               stop_ids=frozenset(cfg.eos_token_ids) | frozenset(req.options.stop_ids))
 
 
 def completion_length(tokens: list[int], stops: frozenset[int]) -> int:

@@ -13,7 +13,7 @@ import math
 import grpc
 
 from cde import limits as L
-from cde.rpc.v1 import worker_pb2
+from cde.rpc.v1 import resolved_pb2, worker_pb2
 
 
 class BadRequest(ValueError):
@@ -28,6 +28,25 @@ def signed_seed(seed: int) -> int:
     """uint64 -> the int64 with the same bits: counter_uniform hashes the low and high 32-bit
     halves, which two's complement keeps, and torch has no uint64 tensors."""
     return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def checked_options(req: worker_pb2.WorkerSubmit, decoder: str) -> resolved_pb2.ResolvedOptions:
+    """The request's ResolvedOptions, present and for this worker's family (``decoder``: the oneof
+    case it decodes, "block_diffusion" or "isd"). Nothing is defaulted here: the gateway resolved
+    every value, so a missing one is a malformed request."""
+    if not req.HasField("options"):
+        raise BadRequest("options is required (the gateway resolves every option into ResolvedOptions)")
+    o = req.options
+    got = o.WhichOneof("decoder")
+    if got != decoder:
+        family = "a block-diffusion" if decoder == "block_diffusion" else "a causal (ISD)"
+        raise BadRequest(f"options.{decoder} is required: this worker serves {family} model"
+                         + (f" (got options.{got})" if got else ""))
+    if not o.HasField("sampling"):
+        raise BadRequest("options.sampling is required")
+    if o.max_new_tokens < 1:
+        raise BadRequest("options.max_new_tokens must be >= 1")
+    return o
 
 
 def checked_prompt(req: worker_pb2.WorkerSubmit, token_limit: int, mask_id: int | None) -> list[int]:

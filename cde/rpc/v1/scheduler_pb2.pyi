@@ -1,4 +1,5 @@
 from cde.rpc.v1 import common_pb2 as _common_pb2
+from cde.rpc.v1 import resolved_pb2 as _resolved_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,12 +8,11 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens", "decode", "sampling", "steering", "attribution", "attribution_top_k", "stream_steps")
+    __slots__ = ("request_id", "model", "prompt_tokens", "options", "steering", "attribution", "attribution_top_k", "stream_steps")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     STEERING_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTION_TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -20,13 +20,12 @@ class SubmitRequest(_message.Message):
     request_id: str
     model: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
-    decode: _common_pb2.DecodeOptions
-    sampling: _common_pb2.SamplingOptions
+    options: _resolved_pb2.ResolvedOptions
     steering: _common_pb2.PreparedSteering
     attribution: _common_pb2.AttributionMode
     attribution_top_k: int
     stream_steps: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[_common_pb2.DecodeOptions, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.AttributionMode, str]] = ..., attribution_top_k: _Optional[int] = ..., stream_steps: bool = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., options: _Optional[_Union[_resolved_pb2.ResolvedOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.AttributionMode, str]] = ..., attribution_top_k: _Optional[int] = ..., stream_steps: bool = ...) -> None: ...
 
 class SchedulerEvent(_message.Message):
     __slots__ = ("accepted", "step", "block", "finished")

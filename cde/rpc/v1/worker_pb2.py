@@ -13,23 +13,24 @@ _sym_db = _symbol_database.Default()
 
 
 from cde.rpc.v1 import common_pb2 as cde_dot_v1_dot_common__pb2
+from cde.rpc.v1 import resolved_pb2 as cde_dot_v1_dot_resolved__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x63\x64\x65/v1/worker.proto\x12\x06\x63\x64\x65.v1\x1a\x13\x63\x64\x65/v1/common.proto\"\xfa\x01\n\x0cWorkerSubmit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\r\x12\x18\n\x10\x63ommitted_tokens\x18\x03 \x03(\r\x12\x11\n\tnext_step\x18\x04 \x01(\r\x12%\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x15.cde.v1.DecodeOptions\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.cde.v1.SamplingOptions\x12*\n\x08steering\x18\x07 \x01(\x0b\x32\x18.cde.v1.PreparedSteering\x12\x14\n\x0cstream_steps\x18\x08 \x01(\x08\"\x88\x01\n\x0bWorkerEvent\x12!\n\x04step\x18\x01 \x01(\x0b\x32\x11.cde.v1.StepEventH\x00\x12\'\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x16.cde.v1.BlockCommittedH\x00\x12$\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x10.cde.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x15\n\x13WorkerStatusRequest\"\xac\x02\n\x0cWorkerStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06preset\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x16\n\x0ekv_pages_total\x18\x05 \x01(\r\x12\x15\n\rkv_pages_free\x18\x06 \x01(\r\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\r\n\x05steps\x18\t \x01(\x04\x12\x10\n\x08\x63ompiles\x18\n \x01(\r\x12\x1c\n\x14\x64iffusion_block_size\x18\x0b \x01(\r\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x0f\n\x07n_known\x18\r \x01(\r\x12\x14\n\x0cn_discovered\x18\x0e \x01(\r\x12\x13\n\x0bmax_context\x18\x0f \x01(\r2\xb3\x01\n\x06Worker\x12\x35\n\x06Submit\x12\x14.cde.v1.WorkerSubmit\x1a\x13.cde.v1.WorkerEvent0\x01\x12\x37\n\x06\x43\x61ncel\x12\x15.cde.v1.CancelRequest\x1a\x16.cde.v1.CancelResponse\x12\x39\n\x04Info\x12\x1b.cde.v1.WorkerStatusRequest\x1a\x14.cde.v1.WorkerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x63\x64\x65/v1/worker.proto\x12\x06\x63\x64\x65.v1\x1a\x13\x63\x64\x65/v1/common.proto\x1a\x15\x63\x64\x65/v1/resolved.proto\"\xf0\x01\n\x0cWorkerSubmit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\r\x12\x18\n\x10\x63ommitted_tokens\x18\x03 \x03(\r\x12\x11\n\tnext_step\x18\x04 \x01(\r\x12(\n\x07options\x18\t \x01(\x0b\x32\x17.cde.v1.ResolvedOptions\x12*\n\x08steering\x18\x07 \x01(\x0b\x32\x18.cde.v1.PreparedSteering\x12\x14\n\x0cstream_steps\x18\x08 \x01(\x08J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x06\x64\x65\x63odeR\x08sampling\"\x88\x01\n\x0bWorkerEvent\x12!\n\x04step\x18\x01 \x01(\x0b\x32\x11.cde.v1.StepEventH\x00\x12\'\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x16.cde.v1.BlockCommittedH\x00\x12$\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x10.cde.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x15\n\x13WorkerStatusRequest\"\xac\x02\n\x0cWorkerStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06preset\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x16\n\x0ekv_pages_total\x18\x05 \x01(\r\x12\x15\n\rkv_pages_free\x18\x06 \x01(\r\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\r\n\x05steps\x18\t \x01(\x04\x12\x10\n\x08\x63ompiles\x18\n \x01(\r\x12\x1c\n\x14\x64iffusion_block_size\x18\x0b \x01(\r\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x0f\n\x07n_known\x18\r \x01(\r\x12\x14\n\x0cn_discovered\x18\x0e \x01(\r\x12\x13\n\x0bmax_context\x18\x0f \x01(\r2\xb3\x01\n\x06Worker\x12\x35\n\x06Submit\x12\x14.cde.v1.WorkerSubmit\x1a\x13.cde.v1.WorkerEvent0\x01\x12\x37\n\x06\x43\x61ncel\x12\x15.cde.v1.CancelRequest\x1a\x16.cde.v1.CancelResponse\x12\x39\n\x04Info\x12\x1b.cde.v1.WorkerStatusRequest\x1a\x14.cde.v1.WorkerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cde.rpc.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSUBMIT']._serialized_start=53
-  _globals['_WORKERSUBMIT']._serialized_end=303
-  _globals['_WORKEREVENT']._serialized_start=306
-  _globals['_WORKEREVENT']._serialized_end=442
-  _globals['_WORKERSTATUSREQUEST']._serialized_start=444
-  _globals['_WORKERSTATUSREQUEST']._serialized_end=465
-  _globals['_WORKERSTATUS']._serialized_start=468
-  _globals['_WORKERSTATUS']._serialized_end=768
-  _globals['_WORKER']._serialized_start=771
-  _globals['_WORKER']._serialized_end=950
+  _globals['_WORKERSUBMIT']._serialized_start=76
+  _globals['_WORKERSUBMIT']._serialized_end=316
+  _globals['_WORKEREVENT']._serialized_start=319
+  _globals['_WORKEREVENT']._serialized_end=455
+  _globals['_WORKERSTATUSREQUEST']._serialized_start=457
+  _globals['_WORKERSTATUSREQUEST']._serialized_end=478
+  _globals['_WORKERSTATUS']._serialized_start=481
+  _globals['_WORKERSTATUS']._serialized_end=781
+  _globals['_WORKER']._serialized_start=784
+  _globals['_WORKER']._serialized_end=963
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from cde.rpc.v1 import common_pb2 as _common_pb2
+from cde.rpc.v1 import resolved_pb2 as _resolved_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,24 +8,22 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerSubmit(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "committed_tokens", "next_step", "decode", "sampling", "steering", "stream_steps")
+    __slots__ = ("request_id", "prompt_tokens", "committed_tokens", "next_step", "options", "steering", "stream_steps")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
-    DECODE_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     STEERING_FIELD_NUMBER: _ClassVar[int]
     STREAM_STEPS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     committed_tokens: _containers.RepeatedScalarFieldContainer[int]
     next_step: int
-    decode: _common_pb2.DecodeOptions
-    sampling: _common_pb2.SamplingOptions
+    options: _resolved_pb2.ResolvedOptions
     steering: _common_pb2.PreparedSteering
     stream_steps: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., committed_tokens: _Optional[_Iterable[int]] = ..., next_step: _Optional[int] = ..., decode: _Optional[_Union[_common_pb2.DecodeOptions, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., stream_steps: bool = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., committed_tokens: _Optional[_Iterable[int]] = ..., next_step: _Optional[int] = ..., options: _Optional[_Union[_resolved_pb2.ResolvedOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., stream_steps: bool = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
     __slots__ = ("step", "block", "finished")
