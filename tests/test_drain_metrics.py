@@ -1,5 +1,6 @@
 """What a Kubernetes deployment relies on, against the whole system as real processes (issue 20):
 
+0. every service answers the gRPC health checks the Kubernetes probes make;
 1. the operator metrics on the gateway's /metrics (docs/deploy.md lists them next to vLLM's)
    appear and move: a request raises the counters and the latency histograms' counts, a busy
    stack shows running requests and KV use per worker, and they fall back when it is idle;
@@ -63,6 +64,15 @@ def health(port: int, service_name: str = "") -> str:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     except grpc.RpcError as e:
         return e.code().name
+
+
+def test_every_service_answers_the_probes_the_manifests_use(stack):
+    """deploy/kubernetes probes readiness with the server's own status and liveness with
+    cde.liveness, on each service's gRPC port: every service must answer both."""
+    for svc in stack.services:
+        assert health(svc.grpc_port) == "SERVING", svc.name
+        assert health(svc.grpc_port, LIVENESS_SERVICE) == "SERVING", svc.name
+        assert health(svc.grpc_port, "no.such.Service") == "NOT_FOUND", svc.name
 
 
 def test_operator_metrics_appear_and_move(stack, report):
