@@ -32,6 +32,16 @@ class GatewayMetrics:
         self.kv_usage = Gauge("cde:kv_cache_usage_perc", "Fraction of KV pages in use over all workers (0..1).", lbl, registry=r)
         self.workers = Gauge("cde:num_workers", "Workers registered with the scheduler.", lbl, registry=r)
         self.scheduler_up = Gauge("cde:scheduler_up", "1 when the last Stats call succeeded.", lbl, registry=r)
+        # Per worker, from its last heartbeat (scheduler Stats): load balancers and autoscalers read these.
+        wl = lbl + ["worker_id"]
+        self.worker_kv_usage = Gauge("cde:worker_kv_cache_usage_perc", "Fraction of one worker's KV pages in use (0..1).",
+                                     wl, registry=r)
+        self.worker_running = Gauge("cde:worker_num_requests_running", "Requests one worker's engine is decoding.", wl,
+                                    registry=r)
+        self.worker_waiting = Gauge("cde:worker_num_requests_waiting", "Requests waiting in one worker's engine.", wl,
+                                    registry=r)
+        self.worker_draining = Gauge("cde:worker_draining", "1 while a worker drains (SIGTERM): it takes no new requests.",
+                                     wl, registry=r)
         self.in_flight = Gauge("cde:gateway_requests_in_flight", "Generations this gateway is streaming now.", lbl, registry=r)
         self.ttft = Histogram("cde:time_to_first_token_seconds", "Request received -> first token (step or block).", lbl,
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -71,6 +81,13 @@ class GatewayMetrics:
         total = sum(w.kv_pages_total for w in stats.workers)
         free = sum(w.kv_pages_free for w in stats.workers)
         self.kv_usage.labels(m).set((total - free) / total if total else 0.0)
+        per_worker = (self.worker_kv_usage, self.worker_running, self.worker_waiting, self.worker_draining)
+        for gauge in per_worker:
+            gauge.clear()   # a worker that left must not keep its last figures
+        for w in stats.workers:
+            used = (w.kv_pages_total - w.kv_pages_free) / w.kv_pages_total if w.kv_pages_total else 0.0
+            for gauge, value in zip(per_worker, (used, w.running, w.waiting, int(w.draining))):
+                gauge.labels(m, w.worker_id).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,7 +12,8 @@ Placement: among live workers serving the request's model, the one with the most
 pages, where "free" is the last heartbeat's figure minus the pages of the requests placed
 on it since that heartbeat (so a burst does not all land on the same worker), capped by the
 total minus the pages of the requests streaming from it (a heartbeat may predate the
-engine's allocation for them).
+engine's allocation for them). A worker whose heartbeat says ``draining`` (it got SIGTERM and
+finishes its running requests before exiting, worker_svc/drain.py) gets no new requests.
 
 Reservations: the pool owns that bookkeeping. A run calls ``reserve`` when it picks a worker
 (before its next await, so the other runs of a burst see the pages), and ``release`` when its
@@ -164,7 +165,8 @@ class WorkerPool:
 
     # ---- placement ------------------------------------------------------------------------------
     def pick(self, model: str, avoid: set[str]) -> WorkerHandle | None:
-        cands = self.live(model)
+        # a draining worker (SIGTERM) finishes what it runs and takes nothing new
+        cands = [h for h in self.live(model) if not h.info.draining]
         preferred = [h for h in cands if h.worker_id not in avoid] or cands
         if not preferred:
             return None

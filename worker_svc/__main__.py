@@ -4,7 +4,7 @@
 
 Environment fallbacks: CDE_MODEL_DIR, CDE_WORKER_HOST, CDE_WORKER_PORT, CDE_SCHEDULER,
 CDE_WORKER_ID, CDE_WORKER_ADVERTISE, CDE_MODEL_NAME, CDE_DEVICE, CDE_DTYPE, CDE_COMPILE=1,
-CDE_CUDA_GRAPHS=1, CDE_KV_PAGES, CDE_LOG_LEVEL.
+CDE_CUDA_GRAPHS=1, CDE_KV_PAGES, CDE_DRAIN_TIMEOUT, CDE_LOG_LEVEL.
 """
 
 from __future__ import annotations
@@ -46,7 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=int(env("CDE_TORCH_THREADS", 0)),
                     help="CPU: torch intra-op threads (0 = torch's default, one per core; several workers "
                          "on one machine should split the cores or they slow each other down badly)")
-    ap.add_argument("--grace", type=float, default=5.0, help="seconds to drain calls on SIGTERM/SIGINT")
+    ap.add_argument("--drain-timeout", type=float, default=float(env("CDE_DRAIN_TIMEOUT", 60)),
+                    help="on SIGTERM/SIGINT: seconds the running requests get to finish while no new ones "
+                         "are taken (the rest resume on another worker); keep it below Kubernetes' "
+                         "terminationGracePeriodSeconds")
+    ap.add_argument("--grace", type=float, default=5.0,
+                    help="after the drain: seconds the calls still open get before they are cut off")
     args = ap.parse_args(argv)
     if not args.model_dir:
         ap.error("--model-dir (or CDE_MODEL_DIR) is required")

@@ -28,7 +28,7 @@ from cde import limits as L
 from cde.model_family import CAUSAL, model_family
 from cde.rpc import make_server, service_name
 from cde.rpc.internal_auth import internal_channel
-from cde.rpc.serving import serve_until_signal
+from cde.rpc.serving import wait_for_shutdown_signal
 from cde.rpc.v1 import (
     common_pb2,
     scheduler_pb2,
@@ -36,6 +36,7 @@ from cde.rpc.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from worker_svc.drain import DrainGate, drain
 from worker_svc.engine.async_engine import AsyncEngine
 from worker_svc.engine.events import FinishEvent
 from worker_svc.engine.runtime import EngineRuntime
@@ -121,12 +122,13 @@ class Registrar:
         self.model = model
         self.front = front
         self.registered = asyncio.Event()
+        self.draining = False   # set by worker_svc.drain: the scheduler places nothing here then
 
     def info(self) -> scheduler_pb2.WorkerInfo:
         s = self.front.stats()
         return scheduler_pb2.WorkerInfo(worker_id=self.worker_id, address=self.address, model=self.model,
                                         kv_pages_total=s.pages_total, kv_pages_free=s.pages_free,
-                                        running=s.running, waiting=s.waiting)
+                                        running=s.running, waiting=s.waiting, draining=self.draining)
 
     async def run(self) -> None:
         async with internal_channel(self.scheduler) as channel:
@@ -198,6 +200,11 @@ class WorkerServer:
     address: str
     registrar: Registrar | None
     registrar_task: asyncio.Task | None
+    gate: DrainGate | None = None
+
+    async def drain(self, timeout_s: float) -> bool:
+        """SIGTERM: take no new requests, finish the running ones (worker_svc/drain.py)."""
+        return await drain(self.gate, self.health, self.registrar, timeout_s)
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop registering, stop serving (grace=0: abruptly, like a crash), stop the engine."""
@@ -250,7 +257,8 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
         family = BlockDiffusionFamily(engine, token_limit, model_name)
     front = AsyncEngine(engine)
     servicer = WorkerServicer(front, family, model_name, token_limit, opts.dtype, opts.device)
-    server, health = await make_server([service_name(worker_pb2, "Worker")])
+    gate = DrainGate()
+    server, health = await make_server([service_name(worker_pb2, "Worker")], interceptors=[gate])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{opts.host}:{opts.port}")
     if port == 0:
@@ -270,7 +278,7 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
         task = asyncio.create_task(registrar.run(), name="worker-registrar")
     log.info("worker %s serving %s (%s, %s) on %s, %d KV pages", opts.worker_id, model_name, opts.device,
              opts.dtype, address, engine.kv.pool.usable)
-    return WorkerServer(server, health, front, servicer, port, address, registrar, task)
+    return WorkerServer(server, health, front, servicer, port, address, registrar, task, gate)
 
 
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:
@@ -282,6 +290,12 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    """Run until SIGTERM/SIGINT, then drain for `args.grace` seconds."""
+    """Run until SIGTERM/SIGINT, let running requests finish (up to `args.drain_timeout` s), then
+    stop, giving calls still open `args.grace` seconds."""
     worker = await start_worker(options_from_args(args))
-    await serve_until_signal(worker, "worker", args.grace)
+    try:
+        await wait_for_shutdown_signal()
+        await worker.drain(getattr(args, "drain_timeout", 0.0))
+    finally:
+        log.info("shutting down")
+        await worker.stop(args.grace)

@@ -4,8 +4,8 @@
     from cde.rpc.v1 import worker_pb2, worker_pb2_grpc
 
 Every server gets the same message limits and keepalive, grpc.health.v1 (NOT_SERVING
-until the service says it is warm), reflection, and the internal-token check when
-$CDE_INTERNAL_TOKEN_FILE is set (`cde.rpc.internal_auth`; clients use `internal_channel`). Float vectors travel as little-endian
+until the service says it is warm; ``cde.liveness`` SERVING while the process serves),
+reflection, and the internal-token check when $CDE_INTERNAL_TOKEN_FILE is set (`cde.rpc.internal_auth`; clients use `internal_channel`). Float vectors travel as little-endian
 float32 bytes (never pickle). Stubs are regenerated with scripts/gen_protos.sh.
 """
 
@@ -48,6 +48,11 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
 # Reconnect backoff between services: gRPC's default grows to 120 s, so a peer that was down
 # for a minute is only dialled again seconds after it is back. Capped at 1 s, a restarted
 # scheduler is seen by the gateway and the workers within a second.
+# A grpc.health.v1 service name that answers SERVING for as long as the server runs, whatever the
+# service reports: Kubernetes' liveness probe asks for it, so a worker that drains (NOT_SERVING
+# for readiness) or a gateway whose backends are down is not restarted for it.
+LIVENESS_SERVICE = "cde.liveness"
+
 _INITIAL_RECONNECT_BACKOFF_MS = 100
 _MAX_RECONNECT_BACKOFF_MS = 1_000
 
@@ -92,7 +97,7 @@ async def make_server(service_names: Sequence[str], *, max_message_bytes: int = 
     Returns (server, health).
     """
     try:
-        from grpc_health.v1 import health, health_pb2_grpc
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
         from grpc_reflection.v1alpha import reflection
     except ImportError as e:  # e.g. an image that brings its own grpcio but not these two
         raise ImportError(f"{e}: install grpcio-health-checking=={grpc.__version__} and "
@@ -107,6 +112,7 @@ async def make_server(service_names: Sequence[str], *, max_message_bytes: int = 
                              options=server_options(max_message_bytes) + list(options))
     health_servicer = _health_servicer_class()(service_names)
     await health_servicer.set_serving(False)
+    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     return server, health_servicer

@@ -40,7 +40,7 @@ class SchedulerEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[_common_pb2.Accepted, _Mapping]] = ..., step: _Optional[_Union[_common_pb2.StepEvent, _Mapping]] = ..., block: _Optional[_Union[_common_pb2.BlockCommitted, _Mapping]] = ..., finished: _Optional[_Union[_common_pb2.Finished, _Mapping]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model", "kv_pages_total", "kv_pages_free", "running", "waiting")
+    __slots__ = ("worker_id", "address", "model", "kv_pages_total", "kv_pages_free", "running", "waiting", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class WorkerInfo(_message.Message):
     KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model: str
@@ -55,7 +56,8 @@ class WorkerInfo(_message.Message):
     kv_pages_free: int
     running: int
     waiting: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., draining: bool = ...) -> None: ...
 
 class WorkerAck(_message.Message):
     __slots__ = ("heartbeat_interval_ms",)
