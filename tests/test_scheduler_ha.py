@@ -130,3 +130,41 @@ def test_clients_follow_the_active_scheduler(redis_server):  # noqa: F811
             await s2.stop(0)
             await s1.stop(0)
     asyncio.run(body())
+
+
+def test_attribution_replicas_from_dns_and_skipping_dead_ones():
+    """DNS: a name resolves to every address (real getaddrinfo of localhost), re-resolving adds
+    and drops replicas; next_stub skips a replica whose channel cannot connect."""
+    from cde.redis_util import free_port
+    from scheduler_svc.attribution_pool import DiscoveredAttributionPool, resolve_all
+
+    async def body():
+        port = free_port()
+        assert f"127.0.0.1:{port}" in resolve_all("localhost", port)
+        live = grpc.aio.server()
+        live_port = live.add_insecure_port("127.0.0.1:0")
+        await live.start()
+        names = {"now": [f"127.0.0.1:{live_port}"]}
+        pool = DiscoveredAttributionPool(dns=f"attr.example:{live_port}", refresh_s=3600,
+                                         resolver=lambda host, p: names["now"])
+        try:
+            assert pool.addresses() == [f"127.0.0.1:{live_port}"]
+            dead = f"127.0.0.2:{free_port()}"
+            names["now"] = [f"127.0.0.1:{live_port}", dead]
+            await pool.refresh()
+            assert sorted(pool.addresses()) == sorted(names["now"])
+            live_stub = pool.replicas[f"127.0.0.1:{live_port}"].stub
+            for _ in range(50):   # let both channels try to connect
+                if pool.replicas[dead].broken():
+                    break
+                await asyncio.sleep(0.1)
+            assert pool.replicas[dead].broken()
+            assert all(pool.next_stub() is live_stub for _ in range(6)), "a dead replica was handed out"
+            names["now"] = [dead]
+            await pool.refresh()
+            assert pool.addresses() == [dead]
+            assert pool.next_stub() is pool.replicas[dead].stub   # all broken: still try one
+        finally:
+            await pool.close()
+            await live.stop(0)
+    asyncio.run(body())
