@@ -9,8 +9,9 @@ register and heartbeat here (scheduler_svc/workers.py).
 Restart: the scheduler holds nothing Redis cannot rebuild. At start, and every
 ``sweep_s`` after, every queued request and every running one that no run of this
 instance streams is taken over (running ones go back to the queue first: their worker
-stream died with the previous instance) and re-placed from its last stored block. This
-assumes one scheduler instance per Redis prefix.
+stream died with the previous instance) and re-placed from its last stored block. Several
+instances on one Redis prefix elect one active scheduler (scheduler_svc/leadership.py);
+the others stand by and take over the same way.
 
 `start_scheduler()` returns a running `SchedulerServer`; health is NOT_SERVING until Redis
 answers and the takeover sweep ran. `serve()` is the CLI's blocking loop.
