@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cde.rpc.internal_auth import internal_channel
+from cde.rpc.leader_channel import scheduler_channel
 from cde.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc, steering_pb2_grpc
 
 SCHEDULER_SERVICE = "cde.v1.Scheduler"
@@ -46,7 +47,7 @@ class Backends:
     def open(cls, scheduler_addr: str, steering_addr: str) -> Backends:
         """Create the channels (lazy: nothing connects until the first call)."""
         b = cls(scheduler_addr, steering_addr)
-        sched = internal_channel(scheduler_addr)
+        sched = scheduler_channel(scheduler_addr)   # several addresses: follows the active replica
         b._channels = [sched]
         b.scheduler_channel = sched
         b.scheduler = scheduler_pb2_grpc.SchedulerStub(sched)

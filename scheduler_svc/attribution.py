@@ -93,7 +93,8 @@ class AttributionSession:
                 if self._call is None:
                     await self._open()
                 return await self._exchange(self._request(block, last))
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, RuntimeError) as e:
+            # InvalidStateError: the replica died and the stream ended before our write
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError, RuntimeError) as e:
                 log.warning("attribution for %s block %d failed (attempt %d): %s", self.request_id,
                             block.block_index, attempt + 1, e)
                 self._drop()

@@ -9,8 +9,9 @@ register and heartbeat here (scheduler_svc/workers.py).
 Restart: the scheduler holds nothing Redis cannot rebuild. At start, and every
 ``sweep_s`` after, every queued request and every running one that no run of this
 instance streams is taken over (running ones go back to the queue first: their worker
-stream died with the previous instance) and re-placed from its last stored block. This
-assumes one scheduler instance per Redis prefix.
+stream died with the previous instance) and re-placed from its last stored block. Several
+instances on one Redis prefix elect one active scheduler (scheduler_svc/leadership.py);
+the others stand by and take over the same way.
 
 `start_scheduler()` returns a running `SchedulerServer`; health is NOT_SERVING until Redis
 answers and the takeover sweep ran. `serve()` is the CLI's blocking loop.
@@ -30,11 +31,14 @@ import grpc
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from cde.redis_connect import RedisTarget
 from cde.rpc import make_server, service_name
 from cde.rpc.serving import serve_until_signal
 from cde.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.admission import Admission
-from scheduler_svc.attribution import AttributionPool
+from scheduler_svc.attribution_pool import attribution_pool
+from scheduler_svc.fencing import WriteGuard
+from scheduler_svc.leadership import LeaderLoop, Leadership, default_instance_id
 from scheduler_svc.run import End, RequestRun, RunContext, RunLimits, Subscriber, stored_finished
 from scheduler_svc.spec import accepted, check_submit, decode_spec, encode_spec, stored_after
 from scheduler_svc.state import RequestStore, _check_id
@@ -71,18 +75,26 @@ class SchedulerOptions:
     redis_wait_s: float = 10.0
     prefix: str = "cde:"
     sweep_s: float = 10.0
+    redis: RedisTarget | None = None   # Sentinel and WAIT settings; None: just redis_url
+    attribution_dns: str = ""          # host:port resolved to every A record (attribution_pool.py)
+    # HA (scheduler_svc/leadership.py): lease TTL (0: no lease, a single scheduler per prefix),
+    # this replica's id (default hostname-port) and the address standbys name as the leader's
+    lease_ms: int = 3000
+    scheduler_id: str = ""
+    advertise: str = ""
 
 
 class SchedulerCore:
     """What the servicer and the runs share. Only caches: Redis holds the truth."""
 
-    def __init__(self, opts: SchedulerOptions, redis_client: aioredis.Redis):
+    def __init__(self, opts: SchedulerOptions, redis_client: aioredis.Redis, guard: WriteGuard | None = None):
         self.opts = opts
         self.redis = redis_client
-        self.store = RequestStore(redis_client, prefix=opts.prefix, finished_ttl_s=opts.finished_ttl_s)
+        self.store = RequestStore(redis_client, prefix=opts.prefix, finished_ttl_s=opts.finished_ttl_s, guard=guard)
+        self.leadership: Leadership | None = None   # set by start_scheduler when HA is on
         self.pool = WorkerPool(self.store, opts.heartbeat_ms, opts.dead_after)
         self.pool.on_requeued = self.adopt_many
-        self.attribution = AttributionPool(opts.attribution) if opts.attribution else None
+        self.attribution = attribution_pool(opts.attribution, opts.attribution_dns)
         self.admission = Admission(opts.max_running, opts.max_queue)
         self.slots = asyncio.Semaphore(opts.max_running)
         self.runs: dict[str, RequestRun] = {}
@@ -246,7 +258,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _ready(self, context) -> None:
         if not self.core.ready.is_set():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is starting (waiting for Redis)")
+            lead = self.core.leadership
+            await context.abort(grpc.StatusCode.UNAVAILABLE, lead.standby_reason() if lead and not lead.is_leader
+                                else "scheduler is starting (waiting for Redis)")
 
     @staticmethod
     async def _check_id(context, request_id: str) -> None:
@@ -452,26 +466,33 @@ class SchedulerServer:
 
 
 async def start_scheduler(opts: SchedulerOptions) -> SchedulerServer:
-    pool = aioredis.BlockingConnectionPool.from_url(opts.redis_url, max_connections=opts.redis_connections,
-                                                    timeout=opts.redis_wait_s, socket_timeout=10,
-                                                    socket_connect_timeout=5)
-    client = aioredis.Redis.from_pool(pool)
-    core = SchedulerCore(opts, client)
+    target = opts.redis or RedisTarget(url=opts.redis_url)
+    client = target.client(max_connections=opts.redis_connections, wait_s=opts.redis_wait_s)
+    guard = WriteGuard(wait_replicas=target.wait_replicas, wait_ms=target.wait_ms) \
+        if opts.lease_ms > 0 or target.wait_replicas > 0 else None
+    core = SchedulerCore(opts, client, guard)
     server, health = await make_server([service_name(scheduler_pb2, "Scheduler")])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), server)
     port = server.add_insecure_port(f"{opts.host}:{opts.port}")
     if port == 0:
         raise RuntimeError(f"could not bind {opts.host}:{opts.port}")
+    if opts.lease_ms > 0:
+        core.leadership = Leadership(client, opts.prefix, opts.scheduler_id or default_instance_id(port),
+                                     opts.advertise or f"{opts.host}:{port}", opts.lease_ms, guard)
     await server.start()
-    background = asyncio.get_running_loop().create_task(core.run_background(health), name="scheduler-background")
-    log.info("scheduler on %s:%d (Redis %s, attribution %s)", opts.host, port, opts.redis_url,
-             ",".join(opts.attribution) or "none")
+    main = LeaderLoop(core, core.leadership).run(health) if core.leadership else core.run_background(health)
+    background = asyncio.get_running_loop().create_task(main, name="scheduler-background")
+    log.info("scheduler on %s:%d (Redis %s, attribution %s, %s)", opts.host, port, target.describe(),
+             ",".join(opts.attribution) or opts.attribution_dns or "none",
+             f"HA lease {opts.lease_ms} ms as {core.leadership.instance}" if core.leadership else "no lease")
     return SchedulerServer(server, health, core, port, background)
 
 
 def options_from_args(args: argparse.Namespace) -> SchedulerOptions:
     return SchedulerOptions(
-        host=args.host, port=args.port, redis_url=args.redis_url,
+        host=args.host, port=args.port, redis_url=args.redis_url, redis=RedisTarget.from_args(args),
+        attribution_dns=args.attribution_dns, lease_ms=args.lease_ms, scheduler_id=args.scheduler_id,
+        advertise=args.advertise,
         attribution=[a.strip() for a in (args.attribution or "").split(",") if a.strip()],
         max_running=args.max_running, max_queue=args.max_queue, finished_ttl_s=args.finished_ttl,
         heartbeat_ms=args.heartbeat_ms, queue_timeout_s=args.queue_timeout, detach_grace_s=args.detach_grace,

@@ -202,6 +202,11 @@ redis.call('HSET', KEYS[1], ARGV[1], '{"heartbeat":' .. now() .. ',' .. rest)
 return 1
 """
 
+# KEYS: workers   ARGV: worker_id   (a script so that it is fenced like every other write)
+_REMOVE_WORKER = """
+return redis.call('HDEL', KEYS[1], ARGV[1])
+"""
+
 
 @dataclass(frozen=True)
 class RequestState:
@@ -251,7 +256,8 @@ def _check_nonneg(what: str, value) -> int:
 class RequestStore:
     """Asyncio access to the per-request state in Redis. See the module docstring."""
 
-    def __init__(self, redis: aioredis.Redis, prefix: str = "cde:", finished_ttl_s: int = 3600):
+    def __init__(self, redis: aioredis.Redis, prefix: str = "cde:", finished_ttl_s: int = 3600,
+                 guard=None):
         kwargs = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", {}) or {}
         if kwargs.get("decode_responses"):
             raise ValueError("RequestStore needs a Redis client with decode_responses=False "
@@ -265,7 +271,8 @@ class RequestStore:
         self.workers_key = f"{prefix}workers"
         self.counts_key = f"{prefix}counts"
         self._running_prefix = f"{prefix}running:"
-        rs = redis.register_script
+        # guard (scheduler_svc/fencing.py): every script carries the leader's fencing token
+        rs = redis.register_script if guard is None else (lambda text: guard.script(redis, text))
         self._create = rs(_CREATE)
         self._claim = rs(_CLAIM)
         self._append = rs(_APPEND)
@@ -274,6 +281,7 @@ class RequestStore:
         self._blocks = rs(_BLOCKS)
         self._register_worker = rs(_REGISTER_WORKER)
         self._heartbeat = rs(_HEARTBEAT)
+        self._remove_worker = rs(_REMOVE_WORKER)
 
     # ------------------------------------------------------------------ keys
     def req_key(self, request_id: str) -> str:
@@ -483,7 +491,7 @@ class RequestStore:
 
     async def remove_worker(self, worker_id: str) -> bool:
         _check_id("worker id", worker_id)
-        return bool(await self.redis.hdel(self.workers_key, worker_id))
+        return bool(await self._remove_worker(keys=[self.workers_key], args=[worker_id]))
 
     async def workers(self) -> dict[str, dict]:
         """worker_id -> {"heartbeat": t, "registered_at": t, "info": {...}}."""

@@ -27,7 +27,7 @@ import torch
 from cde import limits as L
 from cde.model_family import CAUSAL, model_family
 from cde.rpc import make_server, service_name
-from cde.rpc.internal_auth import internal_channel
+from cde.rpc.leader_channel import scheduler_channel
 from cde.rpc.serving import wait_for_shutdown_signal
 from cde.rpc.v1 import (
     common_pb2,
@@ -131,7 +131,7 @@ class Registrar:
                                         running=s.running, waiting=s.waiting, draining=self.draining)
 
     async def run(self) -> None:
-        async with internal_channel(self.scheduler) as channel:
+        async with scheduler_channel(self.scheduler) as channel:   # "a:p,b:p": follows the active one
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             backoff = 0.2
             while True:
