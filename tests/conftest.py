@@ -5,12 +5,14 @@ working tree fails (tests/clean_tree.py); a failing test that drew a seed report
 (tests/seeding.py). Test modules never import each other (tests/test_suite_hygiene.py): what
 two of them share lives in a helper module under tests/ whose name does not start with test_.
 
-Fixtures (the plugins below):
-  seed                          tests/seeding.py: a fresh seed, or $CDE_TEST_SEED, printed on failure
-  redis_server, redis_client    tests/redis_fixture.py: a real redis-server for the session
-  tiny_qwen3, lag_model_factory tests/tiny_models.py: random tiny models for the decoders
-  stack_factory                 tests/stack_fixture.py: the whole system as processes
-  report                        below: a figure for the notes, printed even under -q
+Fixtures any test can take without importing them (the plugins below):
+  seed                         tests/seeding.py: a fresh seed, or $CDE_TEST_SEED, printed on failure
+  redis_server, redis_client   tests/redis_fixture.py: a real redis-server for the session
+  stack                        tests/stack_fixture.py: the default stack as processes, one per module
+  report                       below: a figure for the notes, printed even under -q
+Helpers to import: tests/tiny_models.py (random tiny Qwen3 / lag models, a random LoRA: every
+builder takes its seed), tests/stack_fixture.py (running_stack and the stack's clients),
+tests/triton_child.py (kernels under Triton's CPU interpreter in a child process), oracle.py.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch  # noqa: E402
 
 from tests.clean_tree import pytest_sessionfinish, pytest_sessionstart  # noqa: E402,F401 - hooks
 
-pytest_plugins = ["tests.seeding", "tests.redis_fixture", "tests.tiny_models", "tests.stack_fixture"]
+pytest_plugins = ["tests.seeding", "tests.redis_fixture", "tests.stack_fixture"]
 
 
 def pytest_collection_modifyitems(config, items):
