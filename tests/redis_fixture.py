@@ -1,6 +1,6 @@
-"""Redis fixtures for tests. Import them into a test module::
-
-    from tests.redis_fixture import redis_server, redis_client, run  # noqa: F401
+"""Redis fixtures for tests: a pytest plugin that conftest.py loads, so any test module can take
+``redis_server`` or ``redis_client`` without importing them (``run`` and ``flush`` are plain
+functions: import those).
 
 ``redis_server`` (session): a real redis-server (``cde.redis_util.EmbeddedRedis``, AOF on,
 ``appendfsync always``, in a tmp dir), stopped at the end of the session. With env

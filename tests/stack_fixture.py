@@ -1,8 +1,12 @@
 """The whole system as real processes (cde.launch.Stack) for tests, plus the client helpers
-the fault tests share.
+the stack tests share (REST streams, public gRPC requests, the blocks Redis holds).
 
     with running_stack(tmp_path, workers=2, scheduler_args=["--max-running", "2"]) as stack:
         ...
+
+The ``stack`` fixture (this module is a pytest plugin that conftest.py loads) is the default
+stack, one per test module: the tiny Steerling model on the CPU, one worker, default arguments.
+A module that needs other arguments defines its own ``stack`` fixture, which pytest takes instead.
 
 ``running_stack`` always stops every process it started (also when start-up fails);
 ``restart_service`` starts a killed service again with its original command line, port
@@ -12,6 +16,7 @@ and environment. Streams are read with bounded timeouts, never forever.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -23,13 +28,16 @@ from pathlib import Path
 
 import grpc
 import httpx
+import pytest
+import redis
 
 from cde.launch import ROOT, TINY_MODEL, Service, Stack
 from cde.redis_util import free_port
-from cde.rpc.v1 import worker_pb2, worker_pb2_grpc
+from cde.rpc.v1 import common_pb2, generate_pb2, worker_pb2, worker_pb2_grpc
 
 MODEL = "steerling-tiny"
 PROMPT = "Tell me about the sea."
+FINISHED_OK = ("stop", "length")   # finish reasons of a request that completed
 
 
 def stack_args(run_dir: str | os.PathLike, *, workers: int = 1, scheduler_args: Sequence[str] = (),
@@ -52,6 +60,12 @@ def running_stack(run_dir: str | os.PathLike, **kw) -> Iterator[Stack]:
         raise
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("stack")) as s:
+        yield s
 
 
 def print_log_tails(stack: Stack, lines: int = 40) -> None:
@@ -167,6 +181,71 @@ class StreamResult:
                 self.finish = c["finish_reason"]
         if ev.get("usage"):
             self.usage = ev["usage"]
+
+
+# ---- clients: REST streams, public gRPC, the blocks Redis holds ---------------------------------
+
+async def stream_rest(client: httpx.AsyncClient, url: str, body: dict, res: StreamResult,
+                      path: str = "/v1/chat/completions") -> StreamResult:
+    async with client.stream("POST", url + path, json=body) as r:
+        res.status = r.status_code
+        if r.status_code != 200:
+            res.errors.append(json.loads(await r.aread()).get("error", {}))
+            return res
+        async for line in r.aiter_lines():
+            res.feed(line)
+    return res
+
+
+async def stream_many(url: str, bodies: list[dict], timeout: float = 120) -> list[StreamResult]:
+    results = [StreamResult() for _ in bodies]
+    async with httpx.AsyncClient(timeout=timeout) as c:
+        await asyncio.wait_for(asyncio.gather(*(stream_rest(c, url, b, r) for b, r in zip(bodies, results))),
+                               timeout)
+    return results
+
+
+def contiguous(blocks: list[int]) -> bool:
+    return bool(blocks) and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+
+
+def stored_block_indices(rds: redis.Redis, request_id: str) -> list[int]:
+    """Absolute block indices of the blocks Redis holds for a request, by stored position."""
+    stored = rds.hgetall(f"cde:req:{request_id}:blocks")
+    assert sorted(int(k) for k in stored) == list(range(len(stored))), sorted(stored)
+    return [common_pb2.BlockCommitted.FromString(stored[str(i).encode()]).block_index for i in range(len(stored))]
+
+
+def grpc_request(seed: int, max_tokens: int, request_id: str = "") -> generate_pb2.GenerateRequest:
+    return generate_pb2.GenerateRequest(
+        request_id=request_id, model=MODEL,
+        chat=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content=PROMPT)]),
+        decode=common_pb2.DecodeOptions(max_new_tokens=max_tokens, seed=seed))
+
+
+class GrpcStream:
+    """Everything one public gRPC generation delivered, across reconnects."""
+
+    def __init__(self, request: generate_pb2.GenerateRequest | None = None, request_id: str = ""):
+        self.request = request
+        self.request_id = request_id or (request.request_id if request is not None else "")
+        self.blocks: list[int] = []
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finished: common_pb2.Finished | None = None
+        self.errors: list[str] = []
+        self.resumes = 0
+
+    def feed(self, ev: generate_pb2.GenerateResponse) -> None:
+        kind = ev.WhichOneof("event")
+        if kind == "accepted":
+            self.request_id = self.request_id or ev.accepted.request_id
+        elif kind == "block":
+            self.blocks.append(ev.block.block_index)
+            self.tokens += ev.block.tokens
+            self.text += ev.block.text
+        elif kind == "finished":
+            self.finished = ev.finished
 
 
 def write_json(path: Path, obj: dict) -> None:

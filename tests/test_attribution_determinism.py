@@ -10,9 +10,6 @@ long enough for summation order to matter.
 """
 from __future__ import annotations
 
-import random
-
-import pytest
 import torch
 
 from cde.steerling.attribution import RawRecords, chunk_scores, token_attribution
@@ -37,11 +34,6 @@ def _records(g: torch.Generator, n: int, start: int = 0) -> RawRecords:
 def _rows(r: RawRecords, idx) -> RawRecords:
     idx = torch.as_tensor(idx, dtype=torch.long)
     return RawRecords(*(getattr(r, f)[idx] for f in RawRecords.__dataclass_fields__))
-
-
-@pytest.fixture
-def seed() -> int:
-    return random.SystemRandom().randrange(1 << 30)
 
 
 def test_token_attribution_does_not_depend_on_its_company(seed):

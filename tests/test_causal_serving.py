@@ -212,8 +212,8 @@ def test_causal_worker_killed_mid_generation_greedy_requests_finish_identically(
 
     import redis
 
-    from tests.stack_fixture import kill, worker_info, workers
-    from tests.test_faults import StreamResult, contiguous, stored_block_indices, stream_many, stream_rest
+    from tests.stack_fixture import (StreamResult, contiguous, kill, stored_block_indices, stream_many, stream_rest,
+                                     worker_info, workers)
 
     def body(i: int) -> dict:
         return {"model": "idlm-tiny", "messages": [{"role": "user", "content": f"Story number {i}."}],

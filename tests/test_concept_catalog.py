@@ -155,8 +155,7 @@ def test_filters_select_exactly_the_matching_concepts(client: httpx.Client, cata
     assert got == want, filters
 
 
-def test_listing_agrees_with_random_filtered_pages(client: httpx.Client, catalog: ConceptCatalog) -> None:
-    seed = random.SystemRandom().randrange(1 << 30)
+def test_listing_agrees_with_random_filtered_pages(client: httpx.Client, catalog: ConceptCatalog, seed: int) -> None:
     rng = random.Random(seed)
     concepts = every(catalog)
     for _ in range(25):
@@ -249,10 +248,9 @@ def test_top_tokens_equal_the_public_concept_top_tokens(client: httpx.Client, ca
 
 
 @pytest.mark.parity
-def test_top_tokens_on_fresh_random_weights(tmp_path: Path) -> None:
+def test_top_tokens_on_fresh_random_weights(tmp_path: Path, seed: int) -> None:
     """A fresh oracle's weights (both heads): known concepts against concept_top_tokens itself,
     discovered ones against the same projection of the oracle's own factorized embedding."""
-    seed = random.SystemRandom().randrange(1 << 30)
     cfg = TINY.replace(n_layers=2, n_known=40, n_discovered=70, pad_multiple=16)
     oracle = build_oracle(cfg, seed)
     cfg.save(tmp_path)

@@ -23,7 +23,6 @@ import base64
 import contextlib
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +44,7 @@ from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.tokenizer import CL100K_PAT_STR, load_model_tokenizer
 from tests.oracle import assert_same_topk
+from tests.seeding import draw_seed
 
 pytestmark = pytest.mark.parity
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -79,10 +79,6 @@ def _directory_bpe_only(monkeypatch):
     uses the same table): CDE_CL100K_BPE, which the test command sets to the real file, would
     give our side the real ranks instead."""
     monkeypatch.delenv("CDE_CL100K_BPE", raising=False)
-
-
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(1 << 30)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -236,7 +232,7 @@ def make_dir(tmp_path, ranks):
 
     def build(*, instruct: bool = False, arch: dict | None = None, concept: dict | None = None,
               spelling: str = "tok_emb", shard_bytes: int | None = None, seed: int | None = None):
-        seed = fresh_seed() if seed is None else seed
+        seed = draw_seed() if seed is None else seed
         directory = tmp_path / f"ckpt{next(counter)}"
         directory.mkdir()
         tok = package_tokenizer(ranks, instruct)

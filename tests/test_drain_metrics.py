@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cde.rpc import LIVENESS_SERVICE
 from tests.stack_fixture import (MODEL, StreamResult, chat_body, running_stack, service, wait_until,
                                  worker_info)
-from tests.test_faults import FINISHED_OK, contiguous, stream_rest
+from tests.stack_fixture import FINISHED_OK, contiguous, stream_rest
 
 REPORT_TAG = "k8s"
 

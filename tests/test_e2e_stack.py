@@ -1,14 +1,12 @@
 """The whole system as real processes (cde.launch): embedded Redis, steering, attribution,
-scheduler, worker and gateway on loopback, tiny model on the CPU."""
+scheduler, worker and gateway on loopback, tiny model on the CPU: the default ``stack`` fixture
+(tests/stack_fixture.py), shared by the module's tests."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import codecs
 import json
-import os
-import random
 import subprocess
 import sys
 
@@ -18,27 +16,12 @@ import pytest
 import redis
 import torch
 
-from cde.launch import Stack
 from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from cde.steerling.attribution import RawRecords, chunk_spans, token_attribution, model_lookups
 from cde.steerling.loading import load_model
 from cde.launch import ROOT, TINY_MODEL as DEFAULT_MODEL
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    args = argparse.Namespace(model_dir=str(DEFAULT_MODEL), device="cpu", workers=1, host="127.0.0.1",
-                              http_port=0, run_dir=str(tmp_path_factory.mktemp("stack")), timeout=240.0)
-    from cde.redis_util import free_port
-    args.http_port = free_port()
-    s = Stack(args)
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +119,11 @@ def _tokens_covering(tokens: list[int], text: str) -> int:
     raise AssertionError(f"the tokens never hold {text!r}")
 
 
-def test_usage_attribution_sums_and_chunk_delivery_through_rest(stack, model):
+def test_usage_attribution_sums_and_chunk_delivery_through_rest(stack, model, seed):
     """Fresh seed, default attribution_top_k (8): every token's listed terms + other + residual equal
     its logit; usage counts the tokens the response holds (streamed, not streamed, cut by a stop
     string); each chunk (span between <|endofchunk|> tokens) comes with the block that closes it."""
     cfg = model.cfg
-    seed = int(os.environ.get("CDE_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
     body = chat_body(attribution="all", seed=seed, max_tokens=150)
     with httpx.Client(timeout=180) as client:
         with client.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body) as r:

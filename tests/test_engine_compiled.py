@@ -44,10 +44,10 @@ def test_compiled_engine_matches_reference_and_never_recompiles_after_warmup():
         assert finish_of(engine, h).output_tokens == ref.output_tokens
 
 
-def test_compiled_kernels_equal_eager_on_fresh_inputs():
+def test_compiled_kernels_equal_eager_on_fresh_inputs(seed):
     """Each fused function against its eager self: fp32 to rounding, bf16 to bf16 rounding."""
     kn = kernels.compiled()
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    g = torch.Generator().manual_seed(seed)
     for dtype in (torch.float32, torch.bfloat16):
         b, t, h, kv, hd = 3, 64, 4, 2, 16
         rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)   # noqa: E731

@@ -27,13 +27,10 @@ from cde.steerling.steering import SteeringSpec, prepare
 from tests.oracle import assert_same_topk
 from worker_svc.engine.steerling_engine import BlockEvent, FinishEvent, SteerlingEngine, StepEvent
 from worker_svc.engine.runtime import PinnedPairs
+from tests.seeding import draw_seed
 
 pytestmark = pytest.mark.parity
 VOCAB = 264
-
-
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(1 << 30)
 
 
 def make_model(seed: int, cfg=TINY, dtype=torch.float64) -> SteerlingModel:
@@ -71,10 +68,9 @@ def check_against_reference(model, engine, submitted):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_mixed_batch_with_steering_joins_and_k_per_step(overlap):
+def test_mixed_batch_with_steering_joins_and_k_per_step(overlap, seed):
     """overlap=True: steady steps are launched before the previous step's results are applied
     (tokens from the device's block table); the output must not change."""
-    seed = fresh_seed()
     model = make_model(seed)
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64, overlap=overlap)
     rng = random.Random(seed)
@@ -114,7 +110,7 @@ def test_overlapped_steps_survive_an_eot_that_ends_a_request_early():
     A run drops such a row ~7 times in 8; up to 4 fresh seeds until one does."""
     dropped = 0
     for _ in range(4):
-        seed = fresh_seed()
+        seed = draw_seed()
         model = make_model(seed)
         with torch.no_grad():
             model.transformer.lm_head.weight[model.cfg.eot_id] *= 4.0
@@ -147,8 +143,7 @@ def test_result_buffers_alternate_from_the_first_call():
         assert all(t.shape == shape and t.dtype == torch.int64 for t in got)
 
 
-def test_preemption_with_a_tiny_page_pool_gives_the_same_output():
-    seed = fresh_seed()
+def test_preemption_with_a_tiny_page_pool_gives_the_same_output(seed):
     model = make_model(seed, TINY.replace(eot_id=None))  # no early <|eot_id|>: every request runs to length
     # 7 usable pages; four requests each needing 3-4 pages at the end
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=8)
@@ -164,8 +159,7 @@ def test_preemption_with_a_tiny_page_pool_gives_the_same_output():
     check_against_reference(model, engine, submitted)
 
 
-def test_gqa_and_mqa_configs_match_too():
-    seed = fresh_seed()
+def test_gqa_and_mqa_configs_match_too(seed):
     cfg = TINY.replace(n_layers=2, n_embd=96, n_head=6, n_kv_heads=1, n_known=70, n_discovered=50,
                        topk_known=5, topk_discovered=7, concept_chunk=16)
     model = make_model(seed, cfg)
@@ -212,12 +206,11 @@ def test_requests_that_can_never_fit_fail_clearly():
         engine.submit("y", [1] * 1000, DecodeOptions(100))
 
 
-def test_fp32_paged_forward_equals_dense_reference_forward():
+def test_fp32_paged_forward_equals_dense_reference_forward(seed):
     """In fp32, the logits the engine samples from equal the reference's (<= 1e-5 relative) for
     every decode row of a mixed batch, at a state reached by real decoding."""
     from cde.steerling.model import dense_block_causal_attend
 
-    seed = fresh_seed()
     model = make_model(seed, dtype=torch.float32)
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64, overlap=False)   # inspects one planned step
     rng = random.Random(seed)
@@ -254,10 +247,9 @@ def test_fp32_paged_forward_equals_dense_reference_forward():
     assert checked >= 1
 
 
-def test_resume_from_committed_blocks_gives_the_same_output():
+def test_resume_from_committed_blocks_gives_the_same_output(seed):
     """A request restarted on another engine from its committed blocks and step counter
     (what the scheduler does when a worker dies) ends exactly as if it had never stopped."""
-    seed = fresh_seed()
     model = make_model(seed, TINY.replace(eot_id=None))
     prompt = list(range(70))
     opts = DecodeOptions(200, SamplingParams(), tokens_per_step=2, seed=seed)

@@ -44,12 +44,12 @@ from cde.launch import ROOT
 from cde.redis_util import EmbeddedRedis
 from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from cde.steerling.tokenizer import ByteTokenizer
-from tests.stack_fixture import (MODEL, PROMPT, StreamResult, all_alive, chat_body, kill, restart_service,
-                                 running_stack, service, worker_info, workers, write_json)
+from tests.stack_fixture import (FINISHED_OK, MODEL, PROMPT, GrpcStream, StreamResult, all_alive, chat_body, contiguous,
+                                 grpc_request, kill, restart_service, running_stack, service, stored_block_indices,
+                                 stream_many, stream_rest, worker_info, workers, write_json)
 
 RESULTS_ENV = "CDE_RESULTS_DIR"
 TOK = ByteTokenizer()
-FINISHED_OK = ("stop", "length")
 
 
 REPORT_TAG = "fault"   # the `report` fixture (conftest.py) prints "[fault] ..."
@@ -75,25 +75,6 @@ def pct(values, q: float) -> float:
 
 # ---- REST streams ---------------------------------------------------------------------------------
 
-async def stream_rest(client: httpx.AsyncClient, url: str, body: dict, res: StreamResult,
-                      path: str = "/v1/chat/completions") -> StreamResult:
-    async with client.stream("POST", url + path, json=body) as r:
-        res.status = r.status_code
-        if r.status_code != 200:
-            res.errors.append(json.loads(await r.aread()).get("error", {}))
-            return res
-        async for line in r.aiter_lines():
-            res.feed(line)
-    return res
-
-
-async def stream_many(url: str, bodies: list[dict], timeout: float = 120) -> list[StreamResult]:
-    results = [StreamResult() for _ in bodies]
-    async with httpx.AsyncClient(timeout=timeout) as c:
-        await asyncio.wait_for(asyncio.gather(*(stream_rest(c, url, b, r) for b, r in zip(bodies, results))),
-                               timeout)
-    return results
-
 
 def post_until_ok(url: str, body: dict, budget_s: float, path: str = "/v1/chat/completions") -> tuple[dict, int]:
     """POST until 200 (503 while a backend reconnects); (response JSON, attempts)."""
@@ -109,49 +90,7 @@ def post_until_ok(url: str, body: dict, budget_s: float, path: str = "/v1/chat/c
             time.sleep(0.25)
 
 
-def contiguous(blocks: list[int]) -> bool:
-    return bool(blocks) and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
-
-
-def stored_block_indices(rds: redis.Redis, request_id: str) -> list[int]:
-    """Absolute block indices of the blocks Redis holds for a request, by stored position."""
-    stored = rds.hgetall(f"cde:req:{request_id}:blocks")
-    assert sorted(int(k) for k in stored) == list(range(len(stored))), sorted(stored)
-    return [common_pb2.BlockCommitted.FromString(stored[str(i).encode()]).block_index for i in range(len(stored))]
-
-
 # ---- public gRPC ----------------------------------------------------------------------------------
-
-def grpc_request(seed: int, max_tokens: int, request_id: str = "") -> generate_pb2.GenerateRequest:
-    return generate_pb2.GenerateRequest(
-        request_id=request_id, model=MODEL,
-        chat=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content=PROMPT)]),
-        decode=common_pb2.DecodeOptions(max_new_tokens=max_tokens, seed=seed))
-
-
-class GrpcStream:
-    """Everything one public gRPC generation delivered, across reconnects."""
-
-    def __init__(self, request: generate_pb2.GenerateRequest | None = None, request_id: str = ""):
-        self.request = request
-        self.request_id = request_id or (request.request_id if request is not None else "")
-        self.blocks: list[int] = []
-        self.tokens: list[int] = []
-        self.text = ""
-        self.finished: common_pb2.Finished | None = None
-        self.errors: list[str] = []
-        self.resumes = 0
-
-    def feed(self, ev: generate_pb2.GenerateResponse) -> None:
-        kind = ev.WhichOneof("event")
-        if kind == "accepted":
-            self.request_id = self.request_id or ev.accepted.request_id
-        elif kind == "block":
-            self.blocks.append(ev.block.block_index)
-            self.tokens += ev.block.tokens
-            self.text += ev.block.text
-        elif kind == "finished":
-            self.finished = ev.finished
 
 
 async def follow(stub, st: GrpcStream, budget_s: float = 90.0) -> GrpcStream:

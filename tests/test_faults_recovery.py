@@ -37,9 +37,9 @@ from cde.rpc.v1 import (attribution_pb2, common_pb2, generate_pb2, generate_pb2_
                         scheduler_pb2_grpc, steering_pb2_grpc, worker_pb2, worker_pb2_grpc)
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Limits, ModelCard, Pipeline
-from tests.stack_fixture import (MODEL, StreamResult, all_alive, chat_body, kill, restart_service,
-                                 running_stack, service, wait_until, workers)
-from tests.test_faults import FINISHED_OK, GrpcStream, contiguous, grpc_request, stream_rest
+from tests.stack_fixture import (FINISHED_OK, MODEL, GrpcStream, StreamResult, all_alive, chat_body, contiguous,
+                                 grpc_request, kill, restart_service, running_stack, service, stream_rest, wait_until,
+                                 workers)
 
 REPORT_TAG = "fault"
 

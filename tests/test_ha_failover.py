@@ -22,7 +22,7 @@ import redis
 
 from tests.ha_stack import active_scheduler, ha_stack
 from tests.stack_fixture import StreamResult, all_alive, chat_body, kill, service
-from tests.test_faults import FINISHED_OK, contiguous, stored_block_indices
+from tests.stack_fixture import FINISHED_OK, contiguous, stored_block_indices
 
 REPORT_TAG = "fault"
 SEED = int(os.environ.get("CDE_TEST_SEED", 4242))

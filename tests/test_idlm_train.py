@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -35,10 +34,6 @@ from train.idlm_objective import (attention_mask, causal_lm_loss, consistency_ba
 ROOT = Path(__file__).resolve().parents[1]
 V = 97
 MASK = 96
-
-
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(1 << 30)
 
 
 def tiny_model(seed: int, dtype=torch.float64) -> Qwen3Model:
@@ -75,9 +70,8 @@ def test_attention_mask_is_the_definition(length, block):
 
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("block", [1, 3])
-def test_training_layout_equals_inference_windows(block, gated):
+def test_training_layout_equals_inference_windows(block, gated, seed):
     """Logits of x_t position s + k == logits of the last [MASK] of x_0[:s] + [MASK] * (k + 1)."""
-    seed = fresh_seed()
     model = tiny_model(seed)
     random_lora(model, seed).bind(model)
     n = 11
@@ -104,8 +98,7 @@ def test_training_layout_equals_inference_windows(block, gated):
         assert abs(float(losses.total) - 2 * float(losses.mask)) < 1e-9, f"seed={seed}"
 
 
-def test_causal_lm_loss_is_next_token_cross_entropy():
-    seed = fresh_seed()
+def test_causal_lm_loss_is_next_token_cross_entropy(seed):
     model = tiny_model(seed)
     tokens = torch.randint(0, V, (3, 12), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -115,8 +108,7 @@ def test_causal_lm_loss_is_next_token_cross_entropy():
     assert abs(float(got - want)) < 1e-10, f"seed={seed}: {float(got)} vs {float(want)}"
 
 
-def test_lora_gradients_reach_only_the_adapter():
-    seed = fresh_seed()
+def test_lora_gradients_reach_only_the_adapter(seed):
     model = tiny_model(seed, torch.float32)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -143,8 +135,7 @@ def _hf_pair(tmp_path: Path, seed: int):
     return model, lora, peft_model
 
 
-def test_saved_adapter_is_what_peft_reads(tmp_path):
-    seed = fresh_seed()
+def test_saved_adapter_is_what_peft_reads(tmp_path, seed):
     model, lora, peft_model = _hf_pair(tmp_path, seed)
     tokens = torch.randint(0, V, (2, 13), generator=torch.Generator().manual_seed(seed + 5))
     with torch.no_grad():
@@ -158,8 +149,7 @@ def test_saved_adapter_is_what_peft_reads(tmp_path):
         assert err < 1e-5, f"seed={seed}: {name} vs PEFT rel err {err:.3g}"
 
 
-def test_merge_at_load_equals_peft_merge_and_unload(tmp_path):
-    seed = fresh_seed()
+def test_merge_at_load_equals_peft_merge_and_unload(tmp_path, seed):
     _, _, peft_model = _hf_pair(tmp_path, seed)
     bundle = tmp_path / "base"
     (bundle / "conversion").mkdir()
@@ -233,10 +223,9 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     assert (out / "README.md").is_file()
 
 
-def test_eval_introspection_losses_equal_the_training_objective():
+def test_eval_introspection_losses_equal_the_training_objective(seed):
     """eval_idlm's per-row alpha pass computes the training loss it reports (rows differ)."""
     from train.eval_idlm import introspection
-    seed = fresh_seed()
     model = tiny_model(seed)
     random_lora(model, seed).bind(model)
     rows = torch.randint(0, MASK, (3, 13), generator=torch.Generator().manual_seed(seed))

@@ -33,14 +33,8 @@ mathematically identical.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import math
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -50,175 +44,17 @@ from cde.isd.decoder import (STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREA
 from cde.isd.toy import lag_model
 from cde.isd.verify import verify_reference, verify_torch
 from cde.qwen3.config import Qwen3Config, preset
-from cde.qwen3.lora import LoraAdapter, LoraSettings, attach_lora
-from cde.qwen3.model import PROJECTIONS, Qwen3Model
+from cde.qwen3.model import Qwen3Model
+from tests.tiny_models import random_lora
+from tests.triton_child import HAS_TRITON, run_child
+from tests.verify_cases import TRITON_ROWS, assert_same_decisions, check_case_semantics, verify_cases
 
 pytestmark = pytest.mark.parity
-
-ROOT = Path(__file__).resolve().parents[1]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(1 << 30)
-
-
-def random_lora(model: Qwen3Model, seed: int, scale: float, rank: int = 4) -> Qwen3Model:
-    """Attach a random adapter to every projection (B non-zero, unlike PEFT's init)."""
-    gen = torch.Generator().manual_seed(seed)
-    dtype = model.lm_head.weight.dtype
-    modules = {}
-    for name, lin in model.lora_modules().items():
-        a = torch.randn(rank, lin.in_features, generator=gen, dtype=torch.float64) / math.sqrt(lin.in_features)
-        b = torch.randn(lin.out_features, rank, generator=gen, dtype=torch.float64) * scale
-        modules[name] = (a.to(dtype), b.to(dtype), 2.0)
-    settings = LoraSettings(r=rank, lora_alpha=2.0 * rank, target_modules=tuple(PROJECTIONS))
-    return attach_lora(model, LoraAdapter(Path("random"), settings, modules))
 
 
 # =========================================================================================
 # The verify rule
 # =========================================================================================
-
-Args = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def realistic_case(g: torch.Generator, r: int, k: int, v: int) -> Args:
-    """q close to p, drafts drawn from q, temperatures around 1, a fifth greedy (drafts mostly argmax)."""
-    p = torch.randn(r, k, v, generator=g) * 2.5
-    t = torch.rand(r, generator=g) * 1.2 + 0.4
-    q = (p + torch.randn(r, k, v, generator=g)) / t[:, None, None]  # stored scaled once
-    drafts = torch.multinomial(torch.softmax(q, -1).reshape(-1, v), 1, generator=g).reshape(r, k)
-    greedy = torch.rand(r, generator=g) < 0.2
-    drafts[greedy] = torch.where(torch.rand(int(greedy.sum()), k, generator=g) < 0.7,
-                                 p[greedy].argmax(-1), drafts[greedy])
-    return (p, q, drafts, t, torch.rand(r, k, generator=g, dtype=torch.float64),
-            torch.rand(r, k, generator=g, dtype=torch.float64), greedy)
-
-
-def verify_cases() -> dict[str, Args]:
-    """Fixed inputs (p_logits, q_logits, drafts, T, u_accept, u_resid, greedy), V = 37 (and one
-    realistic case with V = 1000, many vocabulary tiles and splits in the Triton kernels)."""
-    g = torch.Generator().manual_seed(1234)
-    r, k, v = 96, 4, 37
-
-    def uniforms() -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.rand(r, k, generator=g, dtype=torch.float64), torch.rand(r, k, generator=g, dtype=torch.float64))
-
-    cases: dict[str, Args] = {}
-    cases["random"] = realistic_case(g, r, k, v)
-    # p == q exactly (q stored as p * (1/T), the kernel's own scaling): everything accepted.
-    p = torch.randn(r, k, v, generator=g) * 2.0
-    t = torch.rand(r, generator=g) + 0.5
-    q = p * (1.0 / t)[:, None, None]
-    drafts = torch.multinomial(torch.softmax(q, -1).reshape(-1, v), 1, generator=g).reshape(r, k)
-    cases["p_equals_q"] = (p, q, drafts, t, *uniforms(), torch.zeros(r, dtype=torch.bool))
-    # q certain of the draft, p all but excludes it: the first draft is rejected.
-    p = torch.randn(r, k, v, generator=g)
-    drafts = torch.randint(0, v, (r, k), generator=g)
-    p.scatter_(-1, drafts[..., None], -30.0)
-    q = torch.zeros(r, k, v).scatter_(-1, drafts[..., None], 30.0)
-    cases["first_rejected"] = (p, q, drafts, torch.full((r,), 0.9), *uniforms(), torch.zeros(r, dtype=torch.bool))
-    # Top-k filtered p (-inf outside 5 ids); drafts half inside, half outside the support.
-    p = torch.randn(r, k, v, generator=g) * 2.0
-    keep = torch.zeros(r, k, v, dtype=torch.bool).scatter_(-1, torch.topk(p, 5, dim=-1).indices, True)
-    p = p.masked_fill(~keep, float("-inf"))
-    q = torch.randn(r, k, v, generator=g)
-    inside = torch.topk(p, 5, dim=-1).indices[..., 0]
-    drafts = torch.where(torch.rand(r, k, generator=g) < 0.5, inside, torch.randint(0, v, (r, k), generator=g))
-    cases["filtered_p"] = (p, q, drafts, torch.full((r,), 1.3), *uniforms(), torch.zeros(r, dtype=torch.bool))
-    # Greedy with tied maxima (first index wins, as torch.argmax) across tile boundaries.
-    p = torch.randn(r, k, v, generator=g)
-    p[:, :, 3] = 9.0
-    p[:, :, 20] = 9.0
-    p[:, :, 36] = 9.0
-    drafts = torch.where(torch.rand(r, k, generator=g) < 0.6, 3, 20) * torch.ones(r, k, dtype=torch.long)
-    cases["greedy_ties"] = (p, torch.randn(r, k, v, generator=g), drafts, torch.zeros(r), *uniforms(),
-                            torch.ones(r, dtype=torch.bool))
-    cases["random_v1000"] = realistic_case(g, 16, 3, 1000)
-    # Never-output ids (cde.isd.decoder.ban_): they had the largest raw logits in p and q and are
-    # -inf in both; half the drafts are such ids (a decoder never proposes them, the rule must
-    # still reject them) and no correction may be one. Sampled and greedy rows.
-    banned = torch.tensor([0, 17, 36])
-    p = torch.randn(r, k, v, generator=g) * 2.0
-    p[..., banned] = 20.0
-    q = p + torch.randn(r, k, v, generator=g)
-    p[..., banned] = float("-inf")
-    q[..., banned] = float("-inf")
-    drafts = torch.where(torch.rand(r, k, generator=g) < 0.5, banned[torch.randint(0, 3, (r, k), generator=g)],
-                         torch.multinomial(torch.softmax(q, -1).reshape(-1, v), 1, generator=g).reshape(r, k))
-    cases["banned_ids"] = (p, q, drafts, torch.full((r,), 0.7), *uniforms(), torch.rand(r, generator=g) < 0.3)
-    return cases
-
-
-def path_margin(args: Args, row: int) -> float:
-    """Smallest float64 distance of any decision on this row's path to its boundary."""
-    p_logits, q_logits, drafts, temp, ua, ur, greedy = args
-    margin = math.inf
-    for i in range(drafts.shape[1]):
-        s = int(drafts[row, i])
-        lp = p_logits[row, i].double()
-        if bool(greedy[row]):
-            top2 = torch.topk(lp, 2).values
-            margin = min(margin, float(top2[0] - top2[1]))
-            if s == int(lp.argmax()):
-                continue
-            return margin
-        p = torch.softmax(lp / float(temp[row]), -1)
-        q = torch.softmax(q_logits[row, i].double(), -1)
-        ratio = math.inf if float(q[s]) == 0 else float(p[s] / q[s])
-        margin = min(margin, abs(float(ua[row, i]) - min(1.0, ratio)))
-        if float(ua[row, i]) < min(1.0, ratio):
-            continue
-        resid = torch.clamp(p - q, min=0)
-        resid = resid if float(resid.sum()) > 0 else p
-        cdf = torch.cumsum(resid, 0) / resid.sum()
-        return min(margin, float((cdf - float(ur[row, i])).abs().min()))
-    return margin
-
-
-def assert_same_decisions(name: str, got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
-                          args: Args, eps: float = 1e-5) -> None:
-    differ = ((got[0] != want[0]) | (got[1] != want[1])).nonzero().flatten().tolist()
-    unexplained = [r for r in differ if path_margin(args, r) >= eps]
-    assert not unexplained, (f"{name}: rows {unexplained[:8]} differ away from any decision boundary: "
-                             f"got {[(int(got[0][r]), int(got[1][r])) for r in unexplained[:8]]}, "
-                             f"want {[(int(want[0][r]), int(want[1][r])) for r in unexplained[:8]]}")
-    assert len(differ) <= 1, f"{name}: {len(differ)} boundary disagreements is more than rounding explains"
-
-
-def check_case_semantics(name: str, args: Args, result: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """What each edge case must produce, whatever the implementation."""
-    p_logits, _, drafts, _, _, _, greedy = args
-    n_acc, corr = result
-    r, k = drafts.shape
-    assert ((n_acc == k) == (corr == -1)).all(), f"{name}: correction -1 iff every draft accepted"
-    if name.startswith("random"):
-        assert 0 < int((n_acc == k).sum()) < r and int((n_acc == 0).sum()) > 0, f"{name}: paths not exercised"
-    if name == "p_equals_q":
-        assert (n_acc == k).all(), f"{name}: p == q must accept every draft"
-    if name == "first_rejected":
-        assert (n_acc == 0).all(), f"{name}: p(s) ~ 0 < q(s) ~ 1 must reject the first draft"
-        assert (corr != drafts[:, 0]).all(), f"{name}: the residual has no mass at the rejected draft"
-    if name == "filtered_p":
-        rej = (n_acc < k).nonzero().flatten()
-        at = p_logits[rej, n_acc[rej]]
-        assert torch.isfinite(at.gather(-1, corr[rej][:, None])).all(), f"{name}: correction outside p's support"
-        outside = ~torch.isfinite(p_logits.gather(-1, drafts[..., None]).squeeze(-1))
-        first_out = torch.where(outside.any(-1), outside.float().argmax(-1), torch.full((r,), k))
-        assert (n_acc <= first_out).all(), f"{name}: a draft with p(s) = 0 was accepted"
-    if name == "banned_ids":
-        banned = torch.tensor([0, 17, 36])
-        is_banned = torch.isin(drafts, banned)
-        first_banned = torch.where(is_banned.any(-1), is_banned.float().argmax(-1), torch.full((r,), k))
-        assert (n_acc <= first_banned).all(), f"{name}: a never-output draft was accepted"
-        assert not torch.isin(corr, banned).any(), f"{name}: a correction is a never-output id"
-        assert (n_acc < k).any() and (n_acc == k).any(), f"{name}: paths not exercised"
-    if name == "greedy_ties":
-        assert greedy.all()
-        expect_acc = torch.cumprod((drafts == 3).long(), -1).sum(-1)
-        assert torch.equal(n_acc, expect_acc), f"{name}: ties must resolve to the first index"
-        assert ((corr == 3) | (corr == -1)).all(), f"{name}: greedy correction must be the first argmax"
 
 
 @pytest.mark.parametrize("name", ["random", "p_equals_q", "first_rejected", "filtered_p", "greedy_ties",
@@ -242,57 +78,11 @@ def test_verify_rejects_bad_inputs():
         verify_torch(p, q, d + 100, t, ua, ur, g)
 
 
-TRITON_ROWS = 32
-# (block, split_tiles) per vocabulary size: V = 37 is 3 tiles of 16 (the last one partial) in 3
-# splits (ties across splits in greedy_ties), or one tile of 64 with masked lanes (and for the
-# "random" case also 3 tiles in one split); V = 1000 is 8 tiles of 128 in 8 splits or 4 splits of
-# 4 tiles of 64 (the last tile and split partial)
-KERNEL_CONFIGS = {37: ((16, 1), (64, 1)), 1000: ((128, 1), (64, 4))}
-
-
-def triton_child() -> None:
-    """Runs in a child process with TRITON_INTERPRET=1 (see test_verify_triton_interpreter)."""
-    from cde.isd.verify import verify_triton
-    from cde.isd.verify_kernel import launch
-
-    report = {}
-    for name, args in verify_cases().items():
-        args = tuple(a[:TRITON_ROWS] for a in args)  # the interpreter runs programs one by one
-        want = verify_reference(*args)
-        ref32 = verify_torch(*args)
-        configs = KERNEL_CONFIGS[args[0].shape[-1]] + (((16, 4),) if name == "random" else ())
-        for block, split in configs[:1] if name == "banned_ids" else configs:   # the interpreter is slow
-            got = launch(*args, block=block, split_tiles=split)
-            tag = f"{name}/{block}x{split}"
-            check_case_semantics(name, args, got)
-            assert_same_decisions(f"{tag} vs reference", got, want, args)
-            assert_same_decisions(f"{tag} vs torch", got, ref32, args)
-            report[tag] = int((got[0] == args[2].shape[1]).sum())
-    # Inside the decoder: identical tokens with the kernel or the torch rule (fixed seeds).
-    model = lag_model(5, lag=3, vocab=32, beta=1.5)
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]] * 4
-    kwargs = dict(max_new=12, stride=3, temperature=0.7, seeds=range(100, 100 + len(prompts)))
-    a = generate_isd_batch(model, prompts, verify_fn=verify_torch, **kwargs)
-    b = generate_isd_batch(model, prompts, verify_fn=lambda *x: verify_triton(*x, block=16), **kwargs)
-    assert [g.tokens for g in a] == [g.tokens for g in b], "decoder output differs with the Triton kernel"
-    report["decoder_acceptance"] = sum(g.stats.accepted for g in b) / sum(g.stats.proposed for g in b)
-    print(json.dumps(report))
-
-
-def run_child(code: str, interpret: bool) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("TRITON_INTERPRET", None)
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)   # the interpreter on a shared 2-core machine
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
 def test_verify_triton_interpreter():
     """The kernels under Triton's CPU interpreter equal the torch rule and the float64 reference, with
     the vocabulary in one split or several, tiles partial or not."""
-    proc = run_child("from tests.test_isd import triton_child; triton_child()", interpret=True)
+    proc = run_child("from tests.verify_cases import triton_child; triton_child()", interpret=True)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["p_equals_q/16x1"] == TRITON_ROWS and report["first_rejected/16x1"] == 0, report
@@ -378,8 +168,7 @@ def greedy_models(seed: int) -> dict[str, Qwen3Model]:
 
 
 @pytest.mark.parametrize("kind", ["tiny-random", "lag4"])
-def test_greedy_isd_matches_greedy_ar(kind):
-    seed = fresh_seed()
+def test_greedy_isd_matches_greedy_ar(kind, seed):
     model = greedy_models(seed)[kind]
     cfg = model.cfg
     prompts = mixed_prompts(seed, cfg.vocab_size, {cfg.mask_token_id, *cfg.eos_token_ids})
@@ -403,8 +192,7 @@ def test_greedy_isd_matches_greedy_ar(kind):
     assert generate_ar(model, prompts[2], 24).tokens == ar[2].tokens
 
 
-def test_greedy_risd_equals_base_ar_and_ungated_does_not():
-    seed = fresh_seed()
+def test_greedy_risd_equals_base_ar_and_ungated_does_not(seed):
     model = lag_model(seed, lag=4, vocab=64, beta=1.0)
     prompts = mixed_prompts(seed, 64, {63})
     base = generate_ar_batch(model, prompts, max_new=20)
@@ -422,12 +210,11 @@ def test_greedy_risd_equals_base_ar_and_ungated_does_not():
         assert [g.tokens for g in ungated] == [g.tokens for g in adapted], f"seed={seed} N={n}"
 
 
-def test_tokens_per_forward_follows_the_spec_formula():
+def test_tokens_per_forward_follows_the_spec_formula(seed):
     """With each draft accepted independently with probability a, the step machine (cold after a
     rejection, bonus on a full window) gives (2 + a + ... + a^(N-2)) / (2 - a^(N-1)) tokens per
     decode forward in steady state (spec). The tokens themselves do not matter here."""
     a, n, rows, new = 0.6, 4, 48, 160
-    seed = fresh_seed()
 
     def accept_with_a(p, q, d, t, ua, ur, g):
         ok = torch.cumprod((ua < a).long(), -1).sum(-1)
@@ -559,9 +346,8 @@ def small():
 
 
 @pytest.mark.parametrize("variant", sorted(CORRECT))
-def test_sampled_isd_follows_ar_distribution(small, variant):
+def test_sampled_isd_follows_ar_distribution(small, variant, seed):
     stride, temperature, top_k, top_p, kwargs = CORRECT[variant]
-    seed = fresh_seed()
     exact = exact_distribution(small, temperature, top_k, top_p)
     counts, acceptance, full = sample_counts(small, stride, temperature, seed, top_k, top_p, **kwargs)
     stat, df, p, tv = chi_square(counts, exact, RUNS)
@@ -573,9 +359,8 @@ def test_sampled_isd_follows_ar_distribution(small, variant):
 
 
 @pytest.mark.parametrize("variant", sorted(BROKEN))
-def test_broken_acceptance_rules_are_caught(small, variant):
+def test_broken_acceptance_rules_are_caught(small, variant, seed):
     stride, temperature, top_k, top_p, kwargs = BROKEN[variant]
-    seed = fresh_seed()
     exact = exact_distribution(small, temperature, top_k, top_p)
     counts, acceptance, _ = sample_counts(small, stride, temperature, seed, top_k, top_p, **kwargs)
     stat, df, p, tv = chi_square(counts, exact, RUNS)
@@ -584,9 +369,8 @@ def test_broken_acceptance_rules_are_caught(small, variant):
     assert p < P_BROKEN, f"{msg}: the test statistic does not see a broken rule"
 
 
-def test_risd_sampled_follows_base_ar_and_ungated_does_not():
+def test_risd_sampled_follows_base_ar_and_ungated_does_not(seed):
     model = random_lora(small_model(), seed=7, scale=0.5)
-    seed = fresh_seed()
     exact = exact_distribution(model, 0.6)  # gate 0 everywhere: the base model
     for gated, ok in ((True, True), (False, False)):
         counts, acceptance, _ = sample_counts(model, 3, 0.6, seed, lora_gated=gated)

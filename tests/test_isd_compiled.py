@@ -16,15 +16,15 @@ from cde.qwen3 import kernels
 from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
 from tests.oracle import assert_close_to_rounding
-from tests.test_isd import random_lora
+from tests.tiny_models import random_lora
 from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
 
 
-def test_compiled_qwen3_kernels_equal_eager_on_fresh_inputs():
+def test_compiled_qwen3_kernels_equal_eager_on_fresh_inputs(seed):
     kn = kernels.compiled()
-    g = torch.Generator().manual_seed(random.SystemRandom().randrange(1 << 30))
+    g = torch.Generator().manual_seed(seed)
     for dtype in (torch.float32, torch.bfloat16):
         b, t, h, kv, hd = 3, 7, 4, 2, 16
         rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)   # noqa: E731
@@ -41,8 +41,7 @@ def test_compiled_qwen3_kernels_equal_eager_on_fresh_inputs():
         assert_close_to_rounding(kn.silu_mul(x, y), kernels.silu_mul(x, y), dtype)
 
 
-def test_compiled_isd_engine_matches_the_reference_and_never_recompiles_after_warmup():
-    seed = random.SystemRandom().randrange(1 << 30)
+def test_compiled_isd_engine_matches_the_reference_and_never_recompiles_after_warmup(seed):
     model = lag_model(seed).double().eval()
     engine = IsdEngine(model, n_pages=64, compile=True)
     engine.warmup(max_rows=4, max_new_tokens=8)
@@ -71,8 +70,7 @@ def test_compiled_isd_engine_matches_the_reference_and_never_recompiles_after_wa
 
 
 @pytest.mark.parametrize("with_lora", [False, True])
-def test_fused_projections_equal_the_separate_ones(with_lora):
-    seed = random.SystemRandom().randrange(1 << 30)
+def test_fused_projections_equal_the_separate_ones(with_lora, seed):
     plain = Qwen3Model(preset("tiny")).init_random(seed).eval()
     fused = Qwen3Model(preset("tiny")).eval()
     fused.load_state_dict(plain.state_dict())

@@ -25,25 +25,24 @@ rejected; its EOS row is scaled up so some requests stop early) and ``cde.isd.to
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 
 import pytest
 import torch
 
-from cde.isd.decoder import DecodeStats, draw, generate_ar_batch, generate_isd_batch
+from cde.isd.decoder import DecodeStats, draw, generate_ar_batch
 from cde.isd.toy import lag_model
 from cde.isd.verify import verify_torch
 from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
-from tests.test_isd import HAS_TRITON, random_lora, run_child
+from tests.isd_engine_harness import (LENGTHS, NEW, SAMPLED, check_all, greedy_step_inputs, models, prompts_for,
+                                      reference, run_in_waves)
+from tests.tiny_models import PROBE, random_lora, stopping_lag_model, tiny_model
+from tests.triton_child import HAS_TRITON, run_child
 from worker_svc.engine.async_engine import AsyncEngine
 from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine, IsdFinishEvent, IsdOptions
-from worker_svc.engine.isd_runner import IsdInputs, IsdRunner, advance, draw_rows, greedy_verify
+from worker_svc.engine.isd_runner import IsdInputs, IsdRunner, advance, draw_rows
 from worker_svc.engine.kv_cache import KVCache
-
-LENGTHS = (1, 5, 63, 64, 65, 130)
-NEW = 24
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,101 +53,6 @@ def one_intraop_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(1 << 30)
-
-
-def tiny_model(seed: int) -> Qwen3Model:
-    model = Qwen3Model(preset("tiny")).init_random(seed).double().eval()
-    with torch.no_grad():
-        model.lm_head.weight[model.cfg.eos_token_ids[0]] *= 3.0  # EOS wins now and then: early stops
-    return model
-
-
-PROBE = [1, 2, 3]
-
-
-def stopping_lag_model(seed: int) -> Qwen3Model:
-    """lag_model with an EOS id: the 11th greedy token after PROBE, so PROBE's requests stop early
-    (mid-window for ISD: the tokens after it in the same step are cut)."""
-    model = lag_model(seed, lag=4, vocab=64, beta=1.0)
-    eos = generate_ar_batch(model, [PROBE], 11)[0].tokens[-1]
-    model.cfg = model.cfg.replace(eos_token_ids=(eos,))
-    return model
-
-
-def models(seed: int) -> dict[str, Qwen3Model]:
-    return {"tiny-random": tiny_model(seed), "lag4": stopping_lag_model(seed)}
-
-
-def prompts_for(model: Qwen3Model, rng: random.Random, lengths=LENGTHS) -> list[list[int]]:
-    cfg = model.cfg
-    avoid = {cfg.mask_token_id, *cfg.eos_token_ids}
-    ids = [i for i in range(cfg.vocab_size) if i not in avoid]
-    return [[rng.choice(ids) for _ in range(n)] for n in lengths]
-
-
-def reference(model: Qwen3Model, prompts, opts: IsdOptions, seeds):
-    """The oracle for one options set (rows are independent, so one call serves many requests)."""
-    if opts.stride == 1:
-        return generate_ar_batch(model, prompts, opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p,
-                                 seeds, use_lora=not opts.lora_gated)
-    return generate_isd_batch(model, prompts, opts.max_new_tokens, opts.stride, opts.temperature, opts.top_k,
-                              opts.top_p, seeds, opts.lora_gated, opts.proposal)
-
-
-def run_in_waves(engine: IsdEngine, jobs: list[tuple[str, list[int], IsdOptions]], waves: int = 3,
-                 steps_between: int = 4) -> dict[str, list]:
-    """Submit jobs in waves with steps in between (mid-flight joins); returns each request's events."""
-    handles = {}
-    per_wave = -(-len(jobs) // waves)
-    for w in range(waves):
-        for rid, prompt, opts in jobs[w * per_wave:(w + 1) * per_wave]:
-            handles[rid] = engine.submit(rid, prompt, opts)
-        for _ in range(steps_between):
-            engine.step()
-    engine.run_until_idle()
-    assert engine.stats().pages_used == 0 and engine.stats().running == 0
-    return {rid: list(engine.drain(h)) for rid, h in handles.items()}
-
-
-def check_events(rid: str, events: list, ref, opts: IsdOptions, tag: str) -> IsdFinishEvent:
-    """Tokens, finish reason, commit events and usage against the reference Generation."""
-    fins = [e for e in events if isinstance(e, IsdFinishEvent)]
-    assert len(fins) == 1 and events[-1] is fins[0], f"{tag} {rid}: one finish event, last"
-    fin = fins[0]
-    assert fin.output_tokens == ref.tokens, f"{tag} {rid}: engine {fin.output_tokens} != reference {ref.tokens}"
-    assert fin.reason == ref.finish_reason, f"{tag} {rid}"
-    commits = [e for e in events if isinstance(e, IsdCommitEvent)]
-    streamed = [t for e in commits for t in e.tokens]
-    assert streamed == fin.output_tokens, f"{tag} {rid}: commit events do not add up to the output"
-    assert [e.start for e in commits] == [sum(len(c.tokens) for c in commits[:i]) for i in range(len(commits))]
-    assert [e.step for e in commits] == sorted({e.step for e in commits}), f"{tag} {rid}: steps not increasing"
-    if opts.stride == 1:  # generate_ar_batch counts forwards (== tokens) and tokens only
-        assert (fin.stats.forwards, fin.stats.generated) == (ref.stats.forwards, ref.stats.generated), f"{tag} {rid}"
-        assert fin.stats.proposed == 0
-    else:
-        assert fin.stats == ref.stats, f"{tag} {rid}: usage {fin.stats} != reference {ref.stats}"
-        assert sum(e.proposed for e in commits) == fin.stats.proposed
-        assert sum(e.accepted for e in commits) == fin.stats.accepted
-    assert fin.steps == fin.stats.forwards and fin.completion_tokens == len(fin.output_tokens)
-    assert fin.device_forwards >= fin.stats.forwards, f"{tag} {rid}: fewer device forwards than logical ones"
-    return fin
-
-
-def check_all(model, engine_events, jobs, tag) -> dict[str, IsdFinishEvent]:
-    """Group jobs by options, run the reference once per group, compare every request."""
-    groups: dict[IsdOptions, list] = {}
-    for rid, prompt, opts in jobs:
-        groups.setdefault(dataclasses.replace(opts, seed=0), []).append((rid, prompt, opts))
-    fins = {}
-    for members in groups.values():
-        refs = reference(model, [p for _, p, _ in members], members[0][2], [o.seed for _, _, o in members])
-        for (rid, _, opts), ref in zip(members, refs):
-            fins[rid] = check_events(rid, engine_events[rid], ref, opts, tag)
-    return fins
 
 
 def record_flags(engine: IsdEngine) -> list[tuple[bool, bool, IsdInputs]]:
@@ -173,8 +77,7 @@ def has_greedy_decode_row(inp: IsdInputs) -> bool:
 
 @pytest.mark.parity
 @pytest.mark.parametrize("kind,overlap", [("tiny-random", True), ("lag4", True), ("lag4", False)])
-def test_greedy_all_strides_equal_greedy_ar(kind, overlap):
-    seed = fresh_seed()
+def test_greedy_all_strides_equal_greedy_ar(kind, overlap, seed):
     model = models(seed)[kind]
     rng = random.Random(seed)
     prompts = prompts_for(model, rng) + [PROBE]
@@ -202,13 +105,12 @@ def test_greedy_all_strides_equal_greedy_ar(kind, overlap):
 # Overlapped steps: the windows derived on the device are the ones the host would build
 # =========================================================================================
 
-def test_overlapped_windows_equal_the_host_built_ones():
+def test_overlapped_windows_equal_the_host_built_ones(seed):
     """An overlapped step is launched before the last step's results reach the host; its rows'
     windows are derived on the device (isd_runner.advance). Once the last step is applied, the
     host builds (IsdEngine._host_inputs) the windows of the resolved rows: every field must be
     equal, after cold steps, full accepts, rejections at every index and AR steps; query columns
     and drafts the host does not have (a narrower bucket) must be padding."""
-    seed = fresh_seed()
     model = stopping_lag_model(seed)
     rng = random.Random(seed)
     prompts = prompts_for(model, rng, (3, 64, 65)) + [PROBE]
@@ -262,36 +164,12 @@ def test_overlapped_windows_equal_the_host_built_ones():
 # Greedy-only steps: argmaxes and greedy_verify instead of the sampled path, same result
 # =========================================================================================
 
-def greedy_step_inputs(g: torch.Generator, r: int, k: int, v: int, n_slots: int, dtype: torch.dtype):
-    """Random window logits (R, 2K+1, V) with many ties (small integers; in float64 split by
-    1e-12, which float32 rounds back to ties) and all-greedy step inputs: verify rows whose
-    drafts are mostly the argmax (every acceptance length), non-verify rows with drafts 0."""
-    w = 2 * k + 1
-    logits = torch.randint(0, 6, (r, w, v), generator=g).to(dtype)
-    if dtype == torch.float64:
-        logits += 1e-12 * torch.rand(r, w, v, generator=g, dtype=torch.float64)
-    verify_row = torch.rand(r, generator=g) < 0.7
-    best = logits[:, :k].float().argmax(-1)
-    drafts = torch.where(torch.rand(r, k, generator=g) < 0.8, best, torch.randint(0, v, (r, k), generator=g))
-    drafts = torch.where(verify_row[:, None], drafts, 0)
-    ints = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=g)   # noqa: E731
-    inp = IsdInputs(
-        tokens=ints(0, v, r, w), positions=ints(0, 99, r, w), gate=torch.zeros(r, w, dtype=torch.bool),
-        write_idx=ints(0, 64, r, w), pages=ints(0, 2, r, 1), read_start=ints(0, w, r),
-        slot=ints(1, n_slots, r), win_pos=ints(0, 999, r), clean_j=ints(0, w, r), mask_j0=ints(0, w, r),
-        verify_row=verify_row, drafts=drafts, greedy=torch.ones(r, dtype=torch.bool),
-        temperature=torch.ones(r, dtype=torch.float64), top_k=ints(0, 4, r), top_p=torch.ones(r, dtype=torch.float64),
-        seed=ints(0, 1 << 40, r), fwd_index=ints(0, 99, r), proposal=ints(0, 3, r), n_drafts=ints(0, k + 1, r),
-        from_carry=torch.zeros(r, dtype=torch.bool))
-    return logits, inp
-
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_greedy_only_step_packs_what_the_full_path_packs(dtype):
+def test_greedy_only_step_packs_what_the_full_path_packs(dtype, seed):
     """sampling=False (no row samples): argmaxes and greedy_verify, no draws, no q write. The
     packed result must equal the full path's (verify_torch with greedy rows) bit for bit, for
     verify and non-verify rows, K = 0..7, with ties (first index wins) and float32 rounding."""
-    seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     model = lag_model(seed, vocab=64)
     cfg = model.cfg
@@ -314,11 +192,10 @@ def test_greedy_only_step_packs_what_the_full_path_packs(dtype):
     assert outcomes == {"all", "none", "some"}, f"seed={seed}: acceptance lengths not all exercised: {outcomes}"
 
 
-def test_split_draw_equals_the_reference_draw():
+def test_split_draw_equals_the_reference_draw(seed):
     """draw_rows' few-row path (whole-tensor reductions, one 1-D scan per row: the GPU default
     for <= 8 rows) draws what cde.isd.decoder.draw draws: (R, V) and (R, K, V) logits with
     filtered (-inf) ids, peaked and flat rows, uniforms anywhere in (0, 1)."""
-    seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     for shape in ((1, 5000), (3, 151), (2, 3, 997), (1, 1, 64)):
         for scale in (0.1, 1.0, 8.0):
@@ -336,22 +213,10 @@ def test_split_draw_equals_the_reference_draw():
 # Seeded sampling: the same draws as the reference, batched with anything
 # =========================================================================================
 
-SAMPLED = [  # stride, temperature, top_k, top_p, proposal
-    (1, 0.8, 0, 1.0, "sample"),
-    (1, 1.1, 5, 0.9, "sample"),
-    (2, 0.7, 0, 1.0, "sample"),
-    (3, 1.3, 6, 0.9, "sample"),
-    (4, 0.6, 0, 0.95, "argmax_onehot"),
-    (3, 0.9, 0, 1.0, "argmax"),
-    (8, 0.8, 4, 1.0, "sample"),
-    (2, 0.0, 0, 1.0, "sample"),  # a greedy ISD row in the same batch
-]
-
 
 @pytest.mark.parity
 @pytest.mark.parametrize("kind", ["tiny-random", "lag4"])
-def test_seeded_sampling_equals_reference_batched_and_joining(kind):
-    seed = fresh_seed()
+def test_seeded_sampling_equals_reference_batched_and_joining(kind, seed):
     model = models(seed)[kind]
     rng = random.Random(seed)
     jobs = []
@@ -370,11 +235,10 @@ def test_seeded_sampling_equals_reference_batched_and_joining(kind):
 
 
 @pytest.mark.parity
-def test_unfiltered_steps_skip_the_vocabulary_filters_and_still_equal_the_reference():
+def test_unfiltered_steps_skip_the_vocabulary_filters_and_still_equal_the_reference(seed):
     """A step where no row uses top-k / top-p runs without the filter sorts (filtered=False):
     same tokens as the reference, greedy and sampled, and the flag really was off. Greedy rows
     batched with sampled ones take the full path (sampling=True), still exact."""
-    seed = fresh_seed()
     model = models(seed)["lag4"]
     rng = random.Random(seed)
     jobs = []
@@ -395,8 +259,7 @@ def test_unfiltered_steps_skip_the_vocabulary_filters_and_still_equal_the_refere
 # =========================================================================================
 
 @pytest.mark.parity
-def test_risd_gated_equals_base_ar_and_the_reference():
-    seed = fresh_seed()
+def test_risd_gated_equals_base_ar_and_the_reference(seed):
     model = lag_model(seed, lag=4, vocab=64, beta=1.0)
     rng = random.Random(seed)
     prompts = prompts_for(model, rng, (5, 65))
@@ -457,8 +320,7 @@ def test_cancel_frees_pages_at_the_next_step():
 
 
 @pytest.mark.parity
-def test_tiny_page_pool_preempts_and_outputs_are_unchanged():
-    seed = fresh_seed()
+def test_tiny_page_pool_preempts_and_outputs_are_unchanged(seed):
     model = lag_model(seed, lag=4, vocab=64, beta=1.0)
     rng = random.Random(seed)
     # 7 usable pages; each request needs 1-3 at the end, together 10: some must be preempted.
@@ -514,8 +376,7 @@ def test_requests_that_can_never_fit_are_refused_clearly():
 
 
 @pytest.mark.parity
-def test_resume_from_a_resumable_commit_continues_identically():
-    seed = fresh_seed()
+def test_resume_from_a_resumable_commit_continues_identically(seed):
     for opts in (IsdOptions(40, stride=3, temperature=0.9, seed=seed), IsdOptions(40, stride=4)):
         # A resumable commit is one cut at a cold step, i.e. after a rejection; with some random
         # models greedy ISD accepts every draft of a 40-token run, so try the next model seeds
@@ -545,8 +406,7 @@ def test_resume_from_a_resumable_commit_continues_identically():
 
 
 @pytest.mark.parity
-def test_async_engine_wraps_the_isd_engine():
-    seed = fresh_seed()
+def test_async_engine_wraps_the_isd_engine(seed):
     model = lag_model(seed, lag=4, vocab=64, beta=1.0)
     prompts = prompts_for(model, random.Random(seed), (3, 70))
     opts = IsdOptions(20, stride=4, temperature=0.7, seed=seed)
@@ -570,8 +430,7 @@ def test_async_engine_wraps_the_isd_engine():
 
 
 @pytest.mark.parity
-def test_request_stop_ids_end_like_eos():
-    seed = fresh_seed()
+def test_request_stop_ids_end_like_eos(seed):
     model = lag_model(seed, lag=4, vocab=64, beta=1.0)   # no EOS of its own
     prompt = prompts_for(model, random.Random(seed), (9,))[0]
     full = generate_ar_batch(model, [prompt], 30)[0].tokens
@@ -600,11 +459,10 @@ def test_usage_fields_add_up():
     assert 0.0 < st.acceptance <= 1.0
 
 
-def test_fp32_paged_forward_matches_the_dense_forward():
+def test_fp32_paged_forward_matches_the_dense_forward(seed):
     """In fp32 the engine's window logits equal a dense causal forward of prefix + window (<= 1e-5
     relative) for every row that samples, at states reached by real decoding: the paged
     attention, the per-token K/V writes and the window gather are the same computation."""
-    seed = fresh_seed()
     model = Qwen3Model(preset("tiny")).init_random(seed).float().eval()
     rng = random.Random(seed)
     engine = IsdEngine(model, n_pages=32)
@@ -643,41 +501,14 @@ def test_fp32_paged_forward_matches_the_dense_forward():
     assert seen["checked"] > 40 and engine.overlapped_steps > 0
 
 
-def triton_engine_child() -> None:
-    """Runs with TRITON_INTERPRET=1 (see test_engine_with_the_triton_kernel_under_the_interpreter)."""
-    from cde.isd.verify_kernel import launch
-
-    torch.set_num_threads(1)
-    seed = fresh_seed()
-    # greedy_verify (the greedy-only step's verify) gives what the kernel gives greedy rows; V = 37
-    # in 3 splits of one tile of 16, ties within and across tiles and splits
-    g = torch.Generator().manual_seed(seed)
-    for k, dtype in ((1, torch.float32), (3, torch.float64), (7, torch.bfloat16)):
-        logits, inp = greedy_step_inputs(g, 8, k, 37, 2, dtype)
-        p, r = logits[:, :k], logits.shape[0]
-        got = launch(p, torch.randn(p.shape, generator=g), inp.drafts, torch.zeros(r), torch.rand(r, k, generator=g),
-                     torch.rand(r, k, generator=g), torch.ones(r, dtype=torch.bool), block=16, split_tiles=1)
-        want = greedy_verify(p, inp.drafts)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed={seed} K={k}: kernel {got} != {want}"
-    model = stopping_lag_model(seed)
-    rng = random.Random(seed)
-    jobs = [(f"c{c}-{i}", prompt, IsdOptions(16, stride=n, temperature=t, top_k=k, top_p=p, proposal=prop,
-                                             seed=rng.randrange(1 << 40)))
-            for c, (n, t, k, p, prop) in enumerate(SAMPLED)
-            for i, prompt in enumerate(prompts_for(model, rng, (3, 65)))]
-    # the CUDA path's verify, V = 64 in 4 vocabulary splits
-    engine = IsdEngine(model, n_pages=64, verify_fn=lambda *a: launch(*a, block=16, split_tiles=1))
-    fins = check_all(model, run_in_waves(engine, jobs), jobs, f"seed={seed} triton-interpreter")
-    print(sum(f.stats.proposed for f in fins.values()))
-
-
 @pytest.mark.parity
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
-def test_engine_with_the_triton_kernel_under_the_interpreter():
+def test_engine_with_the_triton_kernel_under_the_interpreter(seed):
     """The engine verifies with the Triton kernel's launcher on CUDA (rows padded to the step's K,
     non-verify rows as greedy dummies); under Triton's CPU interpreter it must give the same tokens,
     and greedy-only steps' greedy_verify must give what the kernel gives greedy rows."""
-    proc = run_child("from tests.test_isd_engine import triton_engine_child; triton_engine_child()", interpret=True)
+    proc = run_child(f"from tests.isd_engine_harness import triton_engine_child; triton_engine_child({seed})",
+                     interpret=True)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
     assert int(proc.stdout.strip().splitlines()[-1]) > 0
 
@@ -685,12 +516,11 @@ def test_engine_with_the_triton_kernel_under_the_interpreter():
 @pytest.mark.gpu
 @pytest.mark.parity
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_cuda_engine_with_the_triton_verify_equals_the_reference(cuda_graphs):
+def test_cuda_engine_with_the_triton_verify_equals_the_reference(cuda_graphs, seed):
     """On CUDA the engine verifies with the Triton kernel (eager, or replayed as CUDA graphs);
     float64 weights, so greedy and seeded sampled output must still equal the reference
     decoder (verify_torch on the CPU)."""
     pytest.importorskip("triton")
-    seed = fresh_seed()
     model = lag_model(seed, lag=4, vocab=64, beta=1.0)
     rng = random.Random(seed)
     jobs = []

@@ -36,10 +36,6 @@ pytestmark = pytest.mark.parity
 STEERLING_VOCAB = 264   # the tiny byte tokenizer's ids; rows 264..319 are padding
 
 
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(1 << 30)
-
-
 def bias_toward(lm_head: torch.nn.Linear, ids: list[int], top: float = 60.0, gap: float = 2.0) -> None:
     """Give the LM head a bias: ids[0] gets `top`, each later id `gap` less, others 0."""
     bias = torch.zeros(lm_head.out_features, dtype=lm_head.weight.dtype)
@@ -70,8 +66,7 @@ def test_banned_set_is_what_the_docs_say():
     assert TINY.endofchunk_id not in ids and TINY.eot_id not in ids
 
 
-def test_steerling_decoders_never_sample_the_mask_even_when_it_has_the_largest_logit():
-    seed = fresh_seed()
+def test_steerling_decoders_never_sample_the_mask_even_when_it_has_the_largest_logit(seed):
     model = biased_steerling(seed)
     rng = random.Random(seed)
     never = steerling_never_output()
@@ -137,8 +132,7 @@ def causal_reference(model, prompts, stride, temperature, top_p, seeds, vocab):
 
 
 @pytest.mark.parametrize("kind", sorted(CAUSAL))
-def test_causal_decoders_never_sample_the_mask_even_when_it_has_the_largest_logit(kind):
-    seed = fresh_seed()
+def test_causal_decoders_never_sample_the_mask_even_when_it_has_the_largest_logit(kind, seed):
     model, vocab = CAUSAL[kind](seed)
     cfg = model.cfg
     never = never_output_ids(cfg, vocab)
@@ -172,10 +166,9 @@ def test_causal_decoders_never_sample_the_mask_even_when_it_has_the_largest_logi
     assert total >= 8 * len(handles), f"seed={seed} {kind}: too few tokens decoded ({total}) to mean anything"
 
 
-def test_without_the_tokenizer_vocabulary_the_padding_rows_would_be_sampled():
+def test_without_the_tokenizer_vocabulary_the_padding_rows_would_be_sampled(seed):
     """The control that shows the causal test above can fail: the same biased lag model decoded
     without the tokenizer's vocabulary size bans only the mask, and the padding rows win."""
-    seed = fresh_seed()
     model, vocab = biased_lag(seed)
     gens = generate_ar_batch(model, [[1, 2, 3]], 8, 0.0)
     assert set(gens[0].tokens) == {62}, f"seed={seed}: {gens[0].tokens}"

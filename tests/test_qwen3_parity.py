@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 
 import pytest
 import torch
@@ -35,10 +34,6 @@ pytestmark = pytest.mark.parity
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VOCAB = 256
 TOL = 1e-5
-
-
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(1 << 30)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,8 +76,7 @@ def random_tokens(seed: int, b: int = 3, t: int = 17) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_logits_match_transformers(tmp_path, tied):
-    seed = fresh_seed()
+def test_logits_match_transformers(tmp_path, tied, seed):
     hf = build_hf(hf_config(tied, rope_theta=10_000.0 if tied else 1_000_000.0), seed)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     names = set(load_file(tmp_path / "model.safetensors"))
@@ -107,8 +101,7 @@ def test_logits_match_transformers(tmp_path, tied):
     assert err <= TOL, f"seed={seed}: logits with offset positions rel err {err:.3g}"
 
 
-def test_sharded_checkpoint_and_save_roundtrip(tmp_path):
-    seed = fresh_seed()
+def test_sharded_checkpoint_and_save_roundtrip(tmp_path, seed):
     hf = build_hf(hf_config(False), seed)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True, max_shard_size="40KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
@@ -125,10 +118,9 @@ def test_sharded_checkpoint_and_save_roundtrip(tmp_path):
     assert err <= TOL, f"seed={seed}: transformers reading our checkpoint, rel err {err:.3g}"
 
 
-def test_bf16_equals_transformers_sdpa(tmp_path):
+def test_bf16_equals_transformers_sdpa(tmp_path, seed):
     """In bf16 we follow transformers' op order (RMSNorm cast before the weight multiply, RoPE
     in the activation dtype, fp32 frequencies), so logits equal its SDPA path bit for bit."""
-    seed = fresh_seed()
     build_hf(hf_config(False), seed).save_pretrained(tmp_path, safe_serialization=True)
     ours = load_qwen3(tmp_path, torch.bfloat16)
     assert ours.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
@@ -145,8 +137,7 @@ def test_bf16_equals_transformers_sdpa(tmp_path):
     assert ours.to(torch.float16).rope_inv_freq.dtype == torch.float32
 
 
-def test_checkpoint_errors_name_the_tensor(tmp_path):
-    seed = fresh_seed()
+def test_checkpoint_errors_name_the_tensor(tmp_path, seed):
     hf = build_hf(hf_config(False), seed)
     hf.config.save_pretrained(tmp_path)
     state = {k: v.clone() for k, v in hf.state_dict().items()}
@@ -210,8 +201,7 @@ def make_adapter(tmp_path, seed, case="all-r8", tied=False):
 
 
 @pytest.mark.parametrize("case", sorted(LORA_CASES))
-def test_lora_matches_peft_and_gate_semantics(tmp_path, case):
-    seed = fresh_seed()
+def test_lora_matches_peft_and_gate_semantics(tmp_path, case, seed):
     tokens, base_ref, peft_ref = make_adapter(tmp_path, seed, case)
     ours = load_qwen3(tmp_path / "base")
     with torch.no_grad():
@@ -248,9 +238,8 @@ def test_lora_matches_peft_and_gate_semantics(tmp_path, case):
         assert torch.equal(ours(tokens), base), f"seed={seed}"
 
 
-def test_lora_tied_and_paged_style_attend(tmp_path):
+def test_lora_tied_and_paged_style_attend(tmp_path, seed):
     """Tied head + adapter, driven through hidden_states/logits with a custom attend."""
-    seed = fresh_seed()
     tokens, _, peft_ref = make_adapter(tmp_path, seed, "all-r8", tied=True)
     ours = load_lora(tmp_path / "adapter", load_qwen3(tmp_path / "base"))
     b, t = tokens.shape
@@ -268,8 +257,7 @@ def test_lora_tied_and_paged_style_attend(tmp_path):
     assert rel_err(got, peft_ref) <= TOL, f"seed={seed}"
 
 
-def test_lora_errors_name_the_tensor(tmp_path):
-    seed = fresh_seed()
+def test_lora_errors_name_the_tensor(tmp_path, seed):
     tokens, _, _ = make_adapter(tmp_path, seed, "all-r8")
     ours = load_qwen3(tmp_path / "base")
     adapter = tmp_path / "adapter"

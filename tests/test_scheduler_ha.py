@@ -16,7 +16,7 @@ from scheduler_svc.fencing import Fenced, WriteGuard
 from scheduler_svc.leadership import Leadership
 from scheduler_svc.service import SchedulerOptions, start_scheduler
 from scheduler_svc.state import RequestStore
-from tests.redis_fixture import redis_client, redis_server, run  # noqa: F401
+from tests.redis_fixture import run
 
 
 def _leader(client, instance: str, ttl_ms: int = 1000) -> tuple[Leadership, RequestStore]:

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from cde.redis_util import EmbeddedRedis, RedisServerError, redis_server_binary
 from scheduler_svc.state import STATUSES, RequestStore
-from tests.redis_fixture import redis_client, redis_server, run  # noqa: F401
+from tests.redis_fixture import run
 
 SPEC = json.dumps({"max_new_tokens": 256, "temperature": 0.0, "steering": []})
 

@@ -37,7 +37,7 @@ from cde.steerling.reference_decoder import DecodeOptions, clean_output, generat
 from cde.steerling.sampling import SamplingParams
 from scheduler_svc.service import SchedulerOptions, start_scheduler
 from scheduler_svc.state import RequestStore
-from tests.redis_fixture import flush, redis_server  # noqa: F401  (fixture)
+from tests.redis_fixture import flush
 from worker_svc.service import WorkerOptions, start_worker
 
 pytestmark = pytest.mark.e2e
@@ -191,7 +191,7 @@ def _long_jobs(max_new: int) -> list[tuple[list[int], int, int, int]]:
     raise AssertionError("no seeds run the tiny model for 4 blocks")
 
 
-def test_submit_streams_blocks_in_order_matching_reference(redis_server):  # noqa: F811
+def test_submit_streams_blocks_in_order_matching_reference(redis_server):
     prompt, max_new, k, seed = prompt_of(19), 100, 2, 0
 
     async def body():
@@ -227,7 +227,7 @@ def test_submit_streams_blocks_in_order_matching_reference(redis_server):  # noq
     run(body, refs=[(tuple(prompt), max_new, k, seed)])
 
 
-def test_concurrent_requests_finish_and_store_each_block_once(redis_server):  # noqa: F811
+def test_concurrent_requests_finish_and_store_each_block_once(redis_server):
     jobs = [(f"c{i}", prompt_of(10 + 13 * i, offset=i), 80 + 10 * i, i, 4) for i in range(8)]
 
     async def body():
@@ -246,7 +246,7 @@ def test_concurrent_requests_finish_and_store_each_block_once(redis_server):  # 
     run(body, refs=[(tuple(p), n, k, s) for _, p, n, s, k in jobs])
 
 
-def test_overload_is_resource_exhausted_with_retry_hint(redis_server):  # noqa: F811
+def test_overload_is_resource_exhausted_with_retry_hint(redis_server):
     async def body():
         # no workers: admitted requests wait in the queue, so the limit is reached at once
         async with cluster(redis_server.url, n_workers=0, max_running=1, max_queue=1) as c:
@@ -288,7 +288,7 @@ def test_scheduler_is_not_serving_until_redis_answers():
     run(body)
 
 
-def test_resume_replays_the_rest_exactly(redis_server):  # noqa: F811
+def test_resume_replays_the_rest_exactly(redis_server):
     prompt, max_new, k, seed = long_job(1)
 
     async def body():
@@ -313,7 +313,7 @@ def test_resume_replays_the_rest_exactly(redis_server):  # noqa: F811
     run(body, refs=[(tuple(prompt), max_new, k, seed)])
 
 
-def test_worker_loss_mid_generation_continues_elsewhere_without_loss(redis_server):  # noqa: F811
+def test_worker_loss_mid_generation_continues_elsewhere_without_loss(redis_server):
     jobs = [(f"wl{i}", *long_job(i)) for i in range(4)]
 
     async def body():
@@ -339,7 +339,7 @@ def test_worker_loss_mid_generation_continues_elsewhere_without_loss(redis_serve
     run(body, refs=[(tuple(p), n, k, s) for _, p, n, k, s in jobs])
 
 
-def test_scheduler_restart_resumes_from_redis(redis_server):  # noqa: F811
+def test_scheduler_restart_resumes_from_redis(redis_server):
     prompt, max_new, k, seed = long_job(3)
 
     async def body():
@@ -371,7 +371,7 @@ def test_scheduler_restart_resumes_from_redis(redis_server):  # noqa: F811
     run(body, refs=[(tuple(prompt), max_new, k, seed)])
 
 
-def test_client_disconnect_and_deadline_cancel(redis_server):  # noqa: F811
+def test_client_disconnect_and_deadline_cancel(redis_server):
     async def body():
         async with cluster(redis_server.url) as c:
             call = c.stub.Submit(submit_request("gone", prompt_of(20), 500, 0))
@@ -397,7 +397,7 @@ def test_client_disconnect_and_deadline_cancel(redis_server):  # noqa: F811
     run(body)
 
 
-def test_bad_input_is_invalid_argument(redis_server):  # noqa: F811
+def test_bad_input_is_invalid_argument(redis_server):
     cfg = model().cfg
 
     def steering(n: int, model_name: str = "steerling-tiny") -> common_pb2.PreparedSteering:
@@ -448,7 +448,7 @@ class EchoAttribution(attribution_pb2_grpc.AttributionServicer):
             yield resp
 
 
-def test_attributions_come_from_the_attribution_stream(redis_server):  # noqa: F811
+def test_attributions_come_from_the_attribution_stream(redis_server):
     prompt, max_new, k, seed = long_job(4, 200)
 
     async def body():

@@ -23,6 +23,7 @@ from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.sampling import SamplingParams, banned_ids, sampling_distribution
 from cde.steerling.tokenizer import ByteTokenizer
 from tests.oracle import assert_same_topk, build_oracle, oracle_configs
+from tests.seeding import draw_seed
 
 pytestmark = pytest.mark.parity
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,10 +39,6 @@ CONFIGS = {
                                topk_known=5, topk_discovered=7, concept_chunk=16),
 }
 TOKENIZER_VOCAB = 264  # the byte tokenizer's ids; the rest of the 320 rows are padding
-
-
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(1 << 30)
 
 
 def pair(cfg, seed):
@@ -78,7 +75,7 @@ def oracle_generator(oracle, cfg):
 def test_forward_logits_and_concepts_match(name):
     cfg = CONFIGS[name]
     for _ in range(2):
-        seed = fresh_seed()
+        seed = draw_seed()
         oracle, ours = pair(cfg, seed)
         g = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, TOKENIZER_VOCAB, (2, 150), generator=g)
@@ -97,9 +94,8 @@ def test_forward_logits_and_concepts_match(name):
 
 
 @pytest.mark.parametrize("name", ["tiny-gqa", "mqa-padded"])
-def test_forward_with_steering_injection_matches(name):
+def test_forward_with_steering_injection_matches(name, seed):
     cfg = CONFIGS[name]
-    seed = fresh_seed()
     oracle, ours = pair(cfg, seed)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, TOKENIZER_VOCAB, (1, 130), generator=g)
@@ -119,9 +115,8 @@ def test_forward_with_steering_injection_matches(name):
 
 
 @pytest.mark.parametrize("name", ["tiny-gqa", "mha-wide-k"])
-def test_forward_with_known_intervention_matches(name):
+def test_forward_with_known_intervention_matches(name, seed):
     cfg = CONFIGS[name]
-    seed = fresh_seed()
     oracle, ours = pair(cfg, seed)
     tokens = torch.randint(0, TOKENIZER_VOCAB, (2, 90), generator=torch.Generator().manual_seed(seed))
     known = {3: 0.95, 11: 0.0, 27: 0.5}
@@ -149,9 +144,9 @@ def test_8b_preset_parameter_count():
 # Checkpoints
 
 
-def test_sharded_checkpoint_from_oracle_state_dict_loads(tmp_path):
+def test_sharded_checkpoint_from_oracle_state_dict_loads(tmp_path, seed):
     cfg = CONFIGS["tiny-gqa"]
-    oracle, _ = pair(cfg, fresh_seed())
+    oracle, _ = pair(cfg, seed)
     cfg.save(tmp_path)
     files = save_checkpoint(oracle.state_dict(), tmp_path, max_shard_bytes=200_000)
     assert len(files) >= 4 and files[-1].name == "model.safetensors.index.json"
@@ -164,9 +159,9 @@ def test_sharded_checkpoint_from_oracle_state_dict_loads(tmp_path):
     assert ours.transformer.lm_head.weight is ours.transformer.tok_emb.weight
 
 
-def test_mismatched_or_corrupt_checkpoint_names_the_tensor(tmp_path):
+def test_mismatched_or_corrupt_checkpoint_names_the_tensor(tmp_path, seed):
     cfg = CONFIGS["tiny-gqa"]
-    oracle, _ = pair(cfg, fresh_seed())
+    oracle, _ = pair(cfg, seed)
     state = dict(oracle.state_dict())
     name = "transformer.blocks.1.attn.c_attn.weight"
     state[name] = state[name][:, :-1].contiguous()
@@ -194,12 +189,12 @@ def test_mismatched_or_corrupt_checkpoint_names_the_tensor(tmp_path):
 # Steering functions
 
 
-def test_steering_functions_match_oracle():
+def test_steering_functions_match_oracle(seed):
     from steerling.configs.steering import SteeringConfig
     from steerling.inference.causal_diffusion import SteerlingGenerator
 
     cfg = CONFIGS["tiny-gqa"]
-    oracle, ours = pair(cfg, fresh_seed())
+    oracle, ours = pair(cfg, seed)
     gen = oracle_generator(oracle, cfg)
     lm = ours.transformer.lm_head.weight
     cases = [
@@ -243,12 +238,11 @@ def greedy() -> SamplingParams:
 
 
 @pytest.mark.parametrize("steer", ["none", "amplify", "suppress"])
-def test_greedy_generation_matches_generate_full(steer):
+def test_greedy_generation_matches_generate_full(steer, seed):
     from steerling.configs.generation import GenerationConfig
     from steerling.configs.steering import SteeringConfig
 
     cfg = CONFIGS["tiny-gqa"]
-    seed = fresh_seed()
     oracle, ours = pair(cfg, seed)
     gen = oracle_generator(oracle, cfg)
     prompt = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(seed))
@@ -273,11 +267,10 @@ def test_greedy_generation_matches_generate_full(steer):
         assert unsteered.sequence != res.sequence  # steering changed the text
 
 
-def test_greedy_generation_k_tokens_per_step_matches():
+def test_greedy_generation_k_tokens_per_step_matches(seed):
     from steerling.configs.generation import GenerationConfig
 
     cfg = CONFIGS["mqa-padded"]
-    seed = fresh_seed()
     oracle, ours = pair(cfg, seed)
     gen = oracle_generator(oracle, cfg)
     prompt = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(seed))
@@ -291,14 +284,13 @@ def test_greedy_generation_k_tokens_per_step_matches():
 
 
 @pytest.mark.parametrize("mode", ["entropy", "temperature"])
-def test_sampling_distribution_matches_oracle_at_every_position(mode, monkeypatch):
+def test_sampling_distribution_matches_oracle_at_every_position(mode, monkeypatch, seed):
     """Replay the oracle's seeded run: at each step our confidence picks the same position and
     the probability vector we would draw from equals the one the oracle drew from."""
     import steerling.inference.causal_diffusion as ref_mod
     from steerling.configs.generation import GenerationConfig
 
     cfg = CONFIGS["tiny-gqa"]
-    seed = fresh_seed()
     oracle, ours = pair(cfg, seed)
     gen = oracle_generator(oracle, cfg)
     prompt = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(seed))
@@ -353,13 +345,12 @@ def test_sampling_distribution_matches_oracle_at_every_position(mode, monkeypatc
 # Attribution
 
 
-def test_attribution_matches_faithful_concept_attributor(monkeypatch):
+def test_attribution_matches_faithful_concept_attributor(monkeypatch, seed):
     from steerling.attribution.concept_attribution import ConceptLabels, FaithfulConceptAttributor, chunk_attribution
     from steerling.configs.generation import GenerationConfig
 
     monkeypatch.setenv("STEERLING_CONCEPTS_PATH", "/nonexistent/concept_labels.parquet")
     cfg = CONFIGS["tiny-gqa"]
-    seed = fresh_seed()
     oracle, ours = pair(cfg, seed)
     gen = oracle_generator(oracle, cfg)
     rng = random.Random(seed)

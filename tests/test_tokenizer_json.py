@@ -66,8 +66,7 @@ def test_user_text_never_becomes_a_special_id(tok: TokenizerJsonTokenizer, text:
     assert tok.decode(ids) == text
 
 
-def test_random_text_round_trip(tok: TokenizerJsonTokenizer) -> None:
-    seed = random.randrange(2**32)
+def test_random_text_round_trip(tok: TokenizerJsonTokenizer, seed: int) -> None:
     rng = random.Random(seed)
     alphabet = "abc XYZ\n\t<|>_é日😀" + "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(40))
     for _ in range(50):
