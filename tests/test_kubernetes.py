@@ -112,7 +112,7 @@ def test_every_rendered_object_is_valid_against_the_kubernetes_schemas(overlay, 
 
 def test_the_validator_rejects_an_unknown_field():
     """The schema check above can fail: a misspelled probe field is caught."""
-    (sched,) = [o for o in of_kind(rendered("cpu-demo"), "Deployment") if o["metadata"]["name"] == "scheduler"]
+    (sched,) = [o for o in of_kind(rendered("cpu-demo"), "StatefulSet") if o["metadata"]["name"] == "scheduler"]
     bad = yaml.safe_load(yaml.safe_dump(sched))
     pod_spec(bad)["containers"][0]["readinessProbe"]["grpcc"] = {"port": 1}
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -233,8 +233,16 @@ def test_network_policies_let_each_service_be_called_only_by_its_callers(objs):
 
 
 def test_scheduler_runs_two_replicas_with_redis_and_attribution_discovery(objs):
-    (sched,) = [w for w in of_kind(objs, "Deployment") if component(w) == "scheduler"]
+    (sched,) = [w for w in of_kind(objs, "StatefulSet") if component(w) == "scheduler"]
     assert sched["spec"]["replicas"] >= 2
+    # clients reach every replica by its stable name (a standby answers UNAVAILABLE; a ClusterIP
+    # would pin a connection to one pod): a headless Service and one address per replica
+    (svc,) = [s for s in of_kind(objs, "Service") if s["metadata"]["name"] == sched["spec"]["serviceName"]]
+    assert svc["spec"]["clusterIP"] == "None"
+    port = svc["spec"]["ports"][0]["port"]
+    want = ",".join(f"{sched['metadata']['name']}-{i}.{svc['metadata']['name']}:{port}"
+                    for i in range(sched["spec"]["replicas"]))
+    assert config(objs)["CDE_SCHEDULER"] == want
     env = {e["name"]: e for e in pod_spec(sched)["containers"][0]["env"]}
     (headless,) = [s for s in of_kind(objs, "Service") if s["metadata"]["name"] == "attribution-headless"]
     assert headless["spec"]["clusterIP"] == "None"
