@@ -100,6 +100,45 @@ def test_burst_at_default_limits_gets_only_200s_and_429s(tmp_path, report):
                f"(Retry-After), no other status, {wall:.1f}s")
 
 
+@pytest.mark.fault
+def test_burst_straight_at_the_scheduler_is_refused_by_admission_not_by_redis(tmp_path, report):
+    """The REST burst above is paced by the gateway; this one opens 1,280 Submit streams on the
+    scheduler at once, far past redis-py's default pool of 100 connections: admission must refuse
+    the excess (RESOURCE_EXHAUSTED) before any per-request Redis work, and nothing may fail with
+    UNAVAILABLE ("Too many connections")."""
+    burst = 1280
+    with running_stack(tmp_path / "stack", workers=1) as stack:
+        sport = stack.ports["scheduler"]
+
+        async def run():
+            template = await _submit_request(4242, 8)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{sport}") as ch:
+                stub = scheduler_pb2_grpc.SchedulerStub(ch)
+
+                async def one(i: int) -> str:
+                    req = scheduler_pb2.SubmitRequest()
+                    req.CopyFrom(template)
+                    req.request_id = f"burst-{i}-{uuid.uuid4().hex[:8]}"
+                    try:
+                        async for ev in stub.Submit(req, timeout=300):
+                            if ev.WhichOneof("event") == "finished":
+                                return "finished"
+                        return "eof"
+                    except grpc.aio.AioRpcError as e:
+                        return e.code().name
+
+                return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(burst))), 400)
+
+        t0 = time.monotonic()
+        codes = Counter(asyncio.run(run()))
+        wall = time.monotonic() - t0
+        assert set(codes) <= {"finished", "RESOURCE_EXHAUSTED"}, codes
+        assert codes["finished"] >= 128 and codes["RESOURCE_EXHAUSTED"] >= 1, codes
+        assert "Too many connections" not in log_text(service(stack, "scheduler"))
+        report(f"burst of {burst} Submit streams straight at the scheduler: {codes['finished']} finished, "
+               f"{codes['RESOURCE_EXHAUSTED']} x RESOURCE_EXHAUSTED, nothing else, {wall:.1f}s")
+
+
 # =========================================================================================
 # 2. Resume while Redis is away: the request keeps running; /health follows Redis (item 9)
 # =========================================================================================
