@@ -5,6 +5,7 @@
 #   bash bench/run_h200.sh gpu-tests   # the `gpu` tests: engines (eager + graphs), Triton verify
 #   bash bench/run_h200.sh steerling   # Steerling-8B sweep C=1..64, on/off, kernel profile at 1 and 32
 #   bash bench/run_h200.sh long        # Steerling-8B, 64 requests x 1,024 new tokens (pages, peak memory)
+#   bash bench/run_h200.sh multi-token # Steerling-8B at C=1, 32: k = 1, 2, 4 tokens per step and thresholds 0.9 / 0.7
 #   bash bench/run_h200.sh ablation    # Steerling-8B at C=1, 16 without overlapped steps (what overlap saves)
 #   bash bench/run_h200.sh isd         # I-DLM-8B: ISD N=4 and AR at C=1, 32, 64 vs the 7- and 1-query floors (greedy)
 #   bash bench/run_h200.sh isd-sampled # the same at C=1, 64 with sampled requests (T = 1: draws, verify kernel)
@@ -44,6 +45,12 @@ case "$stage" in
   long)
     python3 -m bench.steerling --preset steerling-8b --concurrency "" --off-concurrency "" --long-run 64x1024 \
       --out "$OUT/engine-steerling-8b-h200-$short-long.json" 2>&1 | grep -v Warning ;;
+  multi-token)
+    # speed of multi-token unmasking (random weights: a threshold commits its minimum of one token
+    # per step here, so those runs time the threshold path; quality comes from steerling-small's eval)
+    python3 -m bench.steerling --preset steerling-8b --concurrency 1,32 --off-concurrency "" --long-run "" \
+      --tokens-per-step 1,2,4 --thresholds 0.9,0.7 \
+      --out "$OUT/engine-steerling-8b-h200-$short-multi-token.json" 2>&1 | grep -v Warning | tee "$OUT/engine-steerling-8b-h200-$short-multi-token.txt" ;;
   ablation)
     python3 -m bench.steerling --preset steerling-8b --concurrency 1,16 --off-concurrency "" --long-run "" \
       --no-overlap --out "$OUT/engine-steerling-8b-h200-$short-no-overlap.json" 2>&1 | grep -v Warning ;;

@@ -127,7 +127,8 @@ class GpuTimer:
 
 
 def run_once(engine: SteerlingEngine, model, concurrency: int, prompt_len: int, new_tokens: int, on: bool,
-             seed: int, vocab: int, timer: GpuTimer) -> dict:
+             seed: int, vocab: int, timer: GpuTimer, tokens_per_step: int = 1,
+             threshold: float | None = None) -> dict:
     cfg = model.cfg
     gen = torch.Generator().manual_seed(seed)
     steering = None
@@ -140,7 +141,8 @@ def run_once(engine: SteerlingEngine, model, concurrency: int, prompt_len: int, 
     handles = []
     for i in range(concurrency):
         prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-        opts = DecodeOptions(new_tokens, SamplingParams(), seed=seed * 1000 + i)
+        opts = DecodeOptions(new_tokens, SamplingParams(), tokens_per_step=tokens_per_step,
+                             confidence_threshold=threshold, seed=seed * 1000 + i)
         handles.append(engine.submit(f"bench-{seed}-{i}", prompt, opts, steering))
     timer.pairs.clear()
     f0, s0, c0, o0 = engine.forwards, engine.steps, engine.compiles, engine.overlapped_steps
@@ -164,6 +166,8 @@ def run_once(engine: SteerlingEngine, model, concurrency: int, prompt_len: int, 
     busy = timer.busy_s() if timer.enabled else None
     return {
         "concurrency": concurrency, "attribution": on, "steering": on, "stride": None,
+        "tokens_per_step": tokens_per_step, "threshold": threshold,
+        "tokens_per_step_per_request": generated / max(forwards, 1) / concurrency,
         "prompt_tokens": prompt_len, "new_tokens": new_tokens,
         "tok_per_s": generated / wall, "generated_tokens": generated, "wall_s": wall,
         "forwards": forwards, "ms_per_forward": wall / max(forwards, 1) * 1e3,
@@ -245,6 +249,10 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-overlap", action="store_true", help="launch each step only after the previous one's "
                     "results are applied (measures what overlapping saves)")
+    ap.add_argument("--tokens-per-step", default="1",
+                    help="multi-token unmasking: tokens committed per step, each value a set of runs (e.g. 1,2,4)")
+    ap.add_argument("--thresholds", default="",
+                    help="confidence thresholds, each run at the largest --tokens-per-step (e.g. 0.9,0.7)")
     ap.add_argument("--profile", default="", help="concurrencies to profile kernel by kernel (e.g. 1,32)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge-reference", default=None, metavar="LOG",
@@ -259,7 +267,12 @@ def main() -> None:
     cfg = preset(args.preset)
     concs = [int(c) for c in args.concurrency.split(",") if c]
     offs = [int(c) for c in args.off_concurrency.split(",") if c]
-    result = run_record("bench.steerling", args.preset, "block", cuda, dtype, tokens_per_step=1,
+    steps_k = [int(k) for k in args.tokens_per_step.split(",") if k] or [1]
+    thresholds = [float(t) for t in args.thresholds.split(",") if t]
+    # (tokens per step, threshold) of every measured set of runs
+    settings = [(k, None) for k in steps_k] + [(max(steps_k), t) for t in thresholds]
+    result = run_record("bench.steerling", args.preset, "block", cuda, dtype,
+                        tokens_per_step=steps_k[0] if len(settings) == 1 else [list(x) for x in settings],
                         overlap=not args.no_overlap, floor=None, reference=None, runs=[])
     save = json_writer(args.out, result)
 
@@ -298,7 +311,8 @@ def main() -> None:
         warm_len[long_run[0]] = max(warm_len.get(long_run[0], 0), 2)
     try:
         for c in warm:
-            run_once(engine, model, c, args.prompt_tokens, warm_len[c], True, 999, vocab, timer)
+            for k, thr in settings:   # every tokens-per-step bucket the runs use
+                run_once(engine, model, c, args.prompt_tokens, warm_len[c], True, 999, vocab, timer, k, thr)
             print(f"  warm C={c} at {time.perf_counter() - t:.0f} s, compiles {engine.compiles}, "
                   f"graphs {engine.stats().graphs}", flush=True)
     except Exception as exc:  # keep measuring: eager + CUDA graphs
@@ -310,20 +324,22 @@ def main() -> None:
         torch.cuda.empty_cache()
         engine = make_engine(False)
         for c in warm:
-            run_once(engine, model, c, args.prompt_tokens, warm_len[c], True, 999, vocab, timer)
+            for k, thr in settings:
+                run_once(engine, model, c, args.prompt_tokens, warm_len[c], True, 999, vocab, timer, k, thr)
     result["compiled"] = compiled
     result["warmup_s"] = time.perf_counter() - t
     result["compiles_after_warmup"] = engine.compiles
     print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}, graphs {engine.stats().graphs}", flush=True)
 
-    plan = [(c, True, args.new_tokens) for c in concs] + [(c, False, args.new_tokens) for c in offs]
+    plan = [(c, True, args.new_tokens, k, thr) for k, thr in settings for c in concs]
+    plan += [(c, False, args.new_tokens, k, thr) for k, thr in settings for c in offs]
     if long_run:
-        plan.append((long_run[0], True, long_run[1]))
-    for i, (c, on, n) in enumerate(plan):
+        plan.append((long_run[0], True, long_run[1], steps_k[0], None))
+    for i, (c, on, n, k, thr) in enumerate(plan):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         g0 = engine.stats().graphs
-        r = run_once(engine, model, c, args.prompt_tokens, n, on, i + 1, vocab, timer)
+        r = run_once(engine, model, c, args.prompt_tokens, n, on, i + 1, vocab, timer, k, thr)
         r["graphs"] = engine.stats().graphs
         r["graph_captures_while_timed"] = r["graphs"] - g0
         if result["floor"] and str(c) in result["floor"]["ms_per_forward"]:
@@ -331,7 +347,8 @@ def main() -> None:
             r["ratio_to_floor"] = r["ms_per_forward"] / r["floor_ms_per_forward"]
         result["runs"].append(r)
         save()
-        print(f"C={c:3d} {'on ' if on else 'off'} new={n}: {r['tok_per_s']:8.1f} tok/s  {r['ms_per_forward']:7.2f} ms/fwd"
+        mt = f" k={k}" + (f" thr={thr:g}" if thr is not None else "") if len(settings) > 1 else ""
+        print(f"C={c:3d} {'on ' if on else 'off'} new={n}{mt}: {r['tok_per_s']:8.1f} tok/s  {r['ms_per_forward']:7.2f} ms/fwd"
               f"  gpu {r['gpu_ms_per_forward'] or 0:7.2f} ms  idle {r['gpu_idle_frac'] or 0:5.3f}"
               f"  ratio {r.get('ratio_to_floor', 0):5.3f}  ttfb {r['ttfb_s'] or 0:6.3f}s  inter-block {r['inter_block_s'] or 0:6.3f}s"
               f"  pages {r['peak_pages_used']}  mem {r['peak_mem_gb'] or 0:6.1f} GB  recompiles {r['recompiles']}", flush=True)
