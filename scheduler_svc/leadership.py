@@ -37,6 +37,7 @@ import redis.exceptions
 from grpc_health.v1 import health_pb2
 
 from scheduler_svc.fencing import WriteGuard
+from scheduler_svc.run import End
 
 log = logging.getLogger("scheduler_svc.leadership")
 
@@ -233,8 +234,6 @@ class LeaderLoop:
     async def step_down(self, health, why: str) -> None:
         """Stop every run here without writing to Redis (the new leader owns the requests);
         their client streams end UNAVAILABLE (not final), so clients reattach elsewhere."""
-        from scheduler_svc.run import End   # run.py imports service-level modules
-
         core = self.core
         core.ready.clear()
         core.serving = False
