@@ -94,7 +94,7 @@ case "$stage" in
     # idlm-small's evaluation on the GPU (losses, alpha, TPF tables, greedy equality, R-ISD
     # distribution test, tok/s at C = 1, 32, 64) with its 8B projection taken from the idlm-8b
     # bench of this same run.
-    python3 -m worker_svc.bench_isd --preset idlm-8b --concurrency 1,32,64 --strides 4,1 \
+    python3 -m bench.isd --preset idlm-8b --concurrency 1,32,64 --strides 4,1 \
       --out "$OUT/isd-idlm-8b-h200-$short.json" 2>&1 | grep -v Warning > "$OUT/isd-idlm-8b-h200-$short.txt"
     python3 -u -m train.eval_idlm --model-dir models/idlm-small --device cuda --speed --seed "${EVAL_SEED:-4242}" \
       --bench-8b "$OUT/isd-idlm-8b-h200-$short.json" --out "$OUT/eval-idlm-small-h200-$short.json" \
