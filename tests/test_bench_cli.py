@@ -34,3 +34,16 @@ def test_isd_bench_runs(tmp_path):
              "--prompt-tokens", "32")
     assert {(r["concurrency"], r["stride"]) for r in d["runs"]} == {(1, 4), (1, 1)}
     assert all(r["ms_per_forward"] > 0 for r in d["runs"])
+
+
+def test_every_module_the_h200_script_runs_exists():
+    """bench/run_h200.sh runs on the GPU machine only: a module it names that moved or was renamed
+    would fail there, after the device time is spent."""
+    import importlib.util
+    import re
+
+    script = (ROOT / "bench" / "run_h200.sh").read_text()
+    modules = sorted(set(re.findall(r"python3? (?:-u )?-m ([\w.]+)", script)) - {"pip", "pytest"})
+    assert {"bench.steerling", "bench.isd", "train.eval_idlm"} <= set(modules), modules
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    assert not missing, f"bench/run_h200.sh runs modules that do not exist: {missing}"
