@@ -176,7 +176,9 @@ def test_without_the_tokenizer_vocabulary_the_padding_rows_would_be_sampled(seed
     without the tokenizer's vocabulary size bans only the mask, and the padding rows win."""
     model, vocab = biased_lag(seed)
     gens = generate_ar_batch(model, [[1, 2, 3]], 8, 0.0)
-    assert set(gens[0].tokens) == {62}, f"seed={seed}: {gens[0].tokens}"
+    # every greedy token is a padding row (the bias puts 62 first by a gap of 100, which the
+    # model's own logits, up to ~100, can close for a step: 61 then wins, still a padding row)
+    assert set(gens[0].tokens) <= {60, 61, 62}, f"seed={seed}: {gens[0].tokens}"
     assert never_output_ids(model.cfg, vocab) == [60, 61, 62, 63]
 
 
