@@ -70,6 +70,11 @@ def test_every_service_answers_the_probes_the_manifests_use(stack):
     """deploy/kubernetes probes readiness with the server's own status and liveness with
     cde.liveness, on each service's gRPC port: every service must answer both."""
     for svc in stack.services:
+        # the gateway's own status follows its backends' readiness, re-checked every 2 s: right
+        # after start-up the second worker may register a moment after the stack reports healthy
+        deadline = time.monotonic() + 15
+        while health(svc.grpc_port) != "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert health(svc.grpc_port) == "SERVING", svc.name
         assert health(svc.grpc_port, LIVENESS_SERVICE) == "SERVING", svc.name
         assert health(svc.grpc_port, "no.such.Service") == "NOT_FOUND", svc.name
