@@ -266,3 +266,26 @@ def test_resume_from_committed_blocks_gives_the_same_output(seed):
     assert [b.tokens for b in events if isinstance(b, BlockEvent)] == [b.tokens for b in ref.blocks[1:]]
     with pytest.raises(ValueError, match="block boundary"):
         engine.submit("bad", prompt, opts, committed=committed[:-1])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_confidence_thresholds_with_steering_equal_the_reference(overlap, seed):
+    """Threshold rows commit between one and k tokens a step. With overlap the next step is
+    launched before the host knows how many: only when no count could close the block, and
+    (amplify's hard cutoff) only while every count gives the same steering strength."""
+    model = make_model(seed)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64, overlap=overlap)
+    rng = random.Random(seed)
+    submitted = {}
+    for i, (length, new, mode, k) in enumerate([(5, 100, "amplify", 4), (64, 70, "suppress", 3), (70, 80, None, 8)]):
+        prompt = [rng.randrange(256) for _ in range(length)]
+        st = steer(model, [rng.randrange(TINY.n_known) for _ in range(2)], mode) if mode else None
+        # tiny random models spread ~0.004-0.03 of probability over their best token: 0.01 splits them
+        opts = DecodeOptions(new, SamplingParams(), tokens_per_step=k, confidence_threshold=0.01,
+                             seed=rng.randrange(1 << 40))
+        submitted[f"t{i}"] = (prompt, opts, st, engine.submit(f"t{i}", prompt, opts, st))
+    engine.run_until_idle()
+    commits = {len(e.positions) for _, _, _, h in submitted.values() for e in h.events if isinstance(e, StepEvent)}
+    assert len(commits) >= 3, f"seed {seed}: the threshold never split a step's commits ({sorted(commits)})"
+    assert (engine.overlapped_steps > 0) == overlap, f"seed {seed}"
+    check_against_reference(model, engine, submitted)

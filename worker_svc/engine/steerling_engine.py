@@ -179,21 +179,37 @@ class SteerlingEngine(EngineRuntime):
     def _rows_ahead(self, rows: list[BlockRow]) -> list[BlockRow] | None:
         """`rows` again if the next step can be launched before their results are applied, else
         None. Only when it is sure to be the same decode rows: no arrivals or cancels to handle, every running request
-        decoding, no confidence threshold (so a step commits exactly min(tokens_per_step, masks left)), and
-        every block keeps a mask after this step (no block closes). An <|eot_id|> can still end
-        a request early: its row in the next step then finds its block filled (samples nothing)
-        and its results are dropped."""
+        decoding, and every block keeps a mask after this step (no block closes) whatever the step commits:
+        exactly min(tokens_per_step, masks left) tokens, or with a confidence threshold between one and that
+        many -- then the request's steering strength must not depend on which (`_alpha_ahead`). An <|eot_id|>
+        can still end a request early: its row in the next step then finds its block filled (samples
+        nothing) and its results are dropped."""
         if self.table.waiting or len(rows) != len(self.table.running):
             return None
         for req, b, is_decode in rows:
-            if (not is_decode or req.cancel_requested or req.finished
-                    or req.options.confidence_threshold is not None):
+            if not is_decode or req.cancel_requested or req.finished:
                 return None
             start, end = req.block_range(b)
             left = req.seq[start:end].count(self.cfg.mask_id)
-            if left - min(req.options.tokens_per_step, left) < 1:
+            most = min(req.options.tokens_per_step, left)
+            if left - most < 1:
+                return None
+            if req.options.confidence_threshold is not None and self._alpha_ahead(req, most) is None:
                 return None
         return rows
+
+    @staticmethod
+    def _alpha_ahead(req: BlockRequest, most: int) -> float | None:
+        """The steering strength of the step after one that commits between 1 (threshold rows) or
+        exactly (other rows) `most` tokens: None when a threshold row's strength would depend on the count."""
+        st = req.steering
+        if st is None:
+            return 0.0
+        if req.options.confidence_threshold is None:
+            return resolve_alpha(st.schedule, st.base_alpha, req.committed + most, st.cutoff_tokens)
+        alphas = {resolve_alpha(st.schedule, st.base_alpha, req.committed + n, st.cutoff_tokens)
+                  for n in range(1, most + 1)}
+        return alphas.pop() if len(alphas) == 1 else None
 
     def _plan(self) -> list[BlockRow]:
         """The rows of this step, in running order."""
@@ -241,12 +257,10 @@ class SteerlingEngine(EngineRuntime):
             threshold=np.full(rb, -np.inf, dtype=np.float32))
         for i, (req, b, is_decode) in enumerate(rows):
             start, end = req.block_range(b)
-            ahead = committed_ahead = 0
+            ahead = 0
             if overlapped:
                 fwd.from_table[i] = True
                 ahead = 1
-                left = req.seq[start:end].count(cfg.mask_id)
-                committed_ahead = min(req.options.tokens_per_step, left)
             else:
                 fwd.tokens[i, : end - start] = req.seq[start:end]
             fwd.positions[i] = _ARANGE_BLOCK + start
@@ -256,8 +270,10 @@ class SteerlingEngine(EngineRuntime):
             fwd.steer_slot[i] = req.slot
             if req.steering is not None and is_decode:
                 st = req.steering
-                fwd.alpha[i] = resolve_alpha(st.schedule, st.base_alpha, req.committed + committed_ahead,
-                                             st.cutoff_tokens)
+                fwd.alpha[i] = (self._alpha_ahead(req, min(req.options.tokens_per_step,
+                                                             req.seq[start:end].count(cfg.mask_id)))
+                                if overlapped else
+                                resolve_alpha(st.schedule, st.base_alpha, req.committed, st.cutoff_tokens))
                 fwd.inject_layer[i] = st.inject_layer
             if is_decode:
                 o, sp = req.options, req.options.sampling
