@@ -95,5 +95,10 @@ EAGER = Kernels(_FUNCTIONS)
 
 
 def compiled(backend="inductor") -> Kernels:
-    """The functions compiled with dynamic shapes (cde/regional.py)."""
-    return regional.compiled(_FUNCTIONS, backend)
+    """The functions compiled with dynamic shapes (cde/regional.py); SwiGLU on CUDA in half
+    precision as its own Triton kernel (cde/fused_swiglu.py says why)."""
+    from cde import fused_swiglu
+
+    kn = regional.compiled(_FUNCTIONS, backend)
+    kn.swiglu = fused_swiglu.dispatching(kn.swiglu)
+    return kn
