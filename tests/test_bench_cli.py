@@ -44,7 +44,7 @@ def test_every_module_the_h200_script_runs_exists():
 
     script = (ROOT / "bench" / "run_h200.sh").read_text()
     modules = sorted(set(re.findall(r"python3? (?:-u )?-m ([\w.]+)", script)) - {"pip", "pytest"})
-    assert {"bench.steerling", "bench.isd", "train.eval_idlm"} <= set(modules), modules
+    assert {"bench.steerling", "bench.isd", "bench.long_context", "train.eval_idlm"} <= set(modules), modules
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     assert not missing, f"bench/run_h200.sh runs modules that do not exist: {missing}"
 
