@@ -9,9 +9,9 @@ Both engines with random weights (bench.steerling / bench.isd build them), one J
 (docs/BENCHMARKS.md, "Long contexts"). Three measurements, each after an untimed warm-up run of
 the same shapes (so compiles and CUDA-graph captures stay out of the timed runs):
 
-* decode: for every context C, C requests-concurrency c (`--concurrency`) with a prompt of
-  C - new_tokens tokens, so the sequences end at C tokens. Timed from the step after every prompt is in the
-  cache to the end: ms/forward = wall / forwards. The floor (bench.floor) is measured in the same run
+* decode: for every context C and concurrency c (`--concurrency`), c requests with a prompt of
+  C - new_tokens tokens, so the sequences end at C tokens. Timed from the launch of the first step in which every
+  request only decodes to the end of the first request: ms/forward = wall / forwards. The floor (bench.floor) is measured in the same run
   for the same batch, query tokens (Steerling 64; ISD 2N - 1: 7 at N = 4, 1 for AR) and context
   = the mean number of cached keys over the decode steps.
 * ttfb: one request alone with an L-token prompt (`--ttfb-prompts`); time from submit to its first
@@ -222,7 +222,7 @@ def ttfb_run(tracker: Tracker, prompt_len: int, variant, joins: int, running: in
     if running:
         runners = tracker.submit("run", running, running_prompt,
                                  min(side.max_context - running_prompt - 2 * BLOCK, 4096), variant, seed)
-        tracker.step_until(lambda: all(len(tracker.step_times.get(h.request_id, ())) >= before_steps
+        tracker.step_until(lambda: all(len(tracker.step_times.get(h.request_id, ())) >= before_steps or h.finished
                                        for h in runners))
     g0 = eng.stats().graphs
     t0 = time.perf_counter()
