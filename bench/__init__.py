@@ -1,1 +1,2 @@
-"""Benchmarks of the worker engine (run as `python -m bench.steerling`, `python -m bench.isd`); the GPU floor (bench.floor)."""
+"""Benchmarks of the worker engine (run as `python -m bench.steerling`, `python -m bench.isd`,
+`python -m bench.long_context`); the GPU floors (bench.floor)."""

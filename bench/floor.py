@@ -4,63 +4,119 @@ The method (docs/BENCHMARKS.md): random bf16 weights, the dense projections of e
 layer + the LM head for `queries` tokens per sequence, SDPA over `context` cached keys,
 captured in a CUDA graph and replayed, so launch gaps are excluded. No norms, no RoPE, no
 concept heads: it is the part no implementation can avoid.
+
+The prefill floor (`FloorModel.prefill_ms`) is one forward of a whole L-token prompt: the same
+projections for L tokens, causal attention over the L keys (flash SDPA) and the LM head only
+for the tokens whose logits the engine samples from. On the CPU (tests) the forwards are
+timed eagerly: the code runs, the figures mean nothing.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
 
 
-def measure_floor(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
-                  batches: list[int], queries: int = 64, context: int = 512, iters: int = 20,
-                  device: str = "cuda") -> dict[int, float]:
-    """ms per forward for each batch size."""
-    torch.manual_seed(0)
-    dt = torch.bfloat16
-    hd = hidden // heads
+class FloorModel:
+    """Random dense weights at a preset's sizes, for the decode and prefill floors."""
 
-    def mk(*shape):
-        return torch.randn(*shape, device=device, dtype=dt) * 0.02
+    def __init__(self, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+                 device: str = "cuda", iters: int = 20):
+        torch.manual_seed(0)
+        self.device, self.iters = device, iters
+        self.dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        self.hidden, self.heads, self.kv_heads = hidden, heads, kv_heads
+        self.hd = hidden // heads
+        hd = self.hd
+        self.ws = [dict(qkv=self._mk((heads + 2 * kv_heads) * hd, hidden), o=self._mk(hidden, heads * hd),
+                        gu=self._mk(2 * ffn, hidden), d=self._mk(hidden, ffn)) for _ in range(layers)]
+        self.lm = self._mk(vocab, hidden)
 
-    ws = [dict(qkv=mk((heads + 2 * kv_heads) * hd, hidden), o=mk(hidden, heads * hd), gu=mk(2 * ffn, hidden),
-               d=mk(hidden, ffn)) for _ in range(layers)]
-    lm = mk(vocab, hidden)
+    def _mk(self, *shape):
+        return torch.randn(*shape, device=self.device, dtype=self.dtype) * 0.02
 
-    def fwd(h, ctx, b):
-        for w in ws:
-            q, k, v = (h @ w["qkv"].T).split([heads * hd, kv_heads * hd, kv_heads * hd], -1)
-            q = q.view(b, queries, heads, hd).transpose(1, 2)
-            k = torch.cat([ctx, k.view(b, queries, kv_heads, hd).transpose(1, 2)], 2)
-            v = torch.cat([ctx, v.view(b, queries, kv_heads, hd).transpose(1, 2)], 2)
-            a = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-            h = h + a.transpose(1, 2).reshape(b * queries, heads * hd) @ w["o"].T
+    def _layers(self, h, b: int, n: int, attend):
+        """Every layer's projections on (b * n, hidden) rows; attend(q, k, v) -> (b, heads, n, hd)."""
+        heads, kvh, hd = self.heads, self.kv_heads, self.hd
+        for w in self.ws:
+            q, k, v = (h @ w["qkv"].T).split([heads * hd, kvh * hd, kvh * hd], -1)
+            a = attend(q.view(b, n, heads, hd).transpose(1, 2), k.view(b, n, kvh, hd).transpose(1, 2),
+                       v.view(b, n, kvh, hd).transpose(1, 2))
+            h = h + a.transpose(1, 2).reshape(b * n, heads * hd) @ w["o"].T
             g, u = (h @ w["gu"].T).chunk(2, -1)
             h = h + (F.silu(g) * u) @ w["d"].T
-        return h @ lm.T
+        return h
 
-    out: dict[int, float] = {}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for b in batches:
-        h = mk(b * queries, hidden)
-        ctx = mk(b, kv_heads, context, hd)
+    def _time_ms(self, fwd) -> float:
+        """ms per call of fwd(): CUDA-graph replays on the GPU, eager calls on the CPU."""
+        if not self.device.startswith("cuda"):
+            fwd()
+            t = time.perf_counter()
+            for _ in range(2):
+                fwd()
+            return (time.perf_counter() - t) / 2 * 1e3
         for _ in range(2):
-            fwd(h, ctx, b)
+            fwd()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            res = fwd(h, ctx, b)
+            fwd()
         for _ in range(3):
             graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
-        for _ in range(iters):
+        for _ in range(self.iters):
             graph.replay()
         end.record()
         torch.cuda.synchronize()
-        out[b] = start.elapsed_time(end) / iters
-        del graph, res, h, ctx
+        del graph
         torch.cuda.empty_cache()
-    ws.clear()   # free the weights before empty_cache (fwd, which reads ws and lm, is done)
-    lm = None
-    torch.cuda.empty_cache()
-    return out
+        return start.elapsed_time(end) / self.iters
+
+    def decode_ms(self, batch: int, queries: int, context: int) -> float:
+        """One decode forward: `queries` new tokens per sequence attend `context` cached keys + themselves."""
+        h = self._mk(batch * queries, self.hidden)
+        ctx = self._mk(batch, self.kv_heads, context, self.hd)
+
+        def attend(q, k, v):
+            return F.scaled_dot_product_attention(q, torch.cat([ctx, k], 2), torch.cat([ctx, v], 2), enable_gqa=True)
+
+        return self._time_ms(lambda: self._layers(h, batch, queries, attend) @ self.lm.T)
+
+    def prefill_ms(self, batch: int, length: int, head_tokens: int) -> float:
+        """One forward of `length` prompt tokens per sequence, causal attention over them, LM head
+        on the last `head_tokens` of each (0: none; the engine then only needs the K/V).
+        Causal rather than block-causal: block-causal attends at most 63 keys more per query
+        (+32 x length score entries, 64 / length of the causal ones), so causal flash SDPA is
+        a lower bound for both masks."""
+        h = self._mk(batch * length, self.hidden)
+
+        def attend(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def fwd():
+            out = self._layers(h, batch, length, attend)
+            if head_tokens:
+                out = out.view(batch, length, -1)[:, length - head_tokens:] @ self.lm.T
+            return out
+
+        return self._time_ms(fwd)
+
+    def free(self) -> None:
+        self.ws.clear()
+        self.lm = None
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def measure_floor(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+                  batches: list[int], queries: int = 64, context: int = 512, iters: int = 20,
+                  device: str = "cuda") -> dict[int, float]:
+    """ms per decode forward for each batch size."""
+    model = FloorModel(layers, hidden, heads, kv_heads, ffn, vocab, device, iters)
+    try:
+        return {b: model.decode_ms(b, queries, context) for b in batches}
+    finally:
+        model.free()

@@ -10,6 +10,8 @@
 #   bash bench/run_h200.sh isd         # I-DLM-8B: ISD N=4 and AR at C=1, 32, 64 vs the 7- and 1-query floors (greedy)
 #   bash bench/run_h200.sh isd-sampled # the same at C=1, 64 with sampled requests (T = 1: draws, verify kernel)
 #   bash bench/run_h200.sh isd-ablation # I-DLM-8B at C=1, 32 without overlapped steps (what overlap saves)
+#   bash bench/run_h200.sh long-context # both engines at 1K/2K/4K context, C=1, 8 vs the floor there; time to first
+#                                       block (1K, 4K prompt) alone and 8 joining 8 running (long-context-steerling / -isd: one each)
 #   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
 #   bash bench/run_h200.sh train-all       # both bundled models (idlm-small beside steerling-small + its eval)
 #   bash bench/run_h200.sh eval-idlm       # idlm-8b ISD bench, then idlm-small's full evaluation with H200 speed
@@ -63,6 +65,16 @@ case "$stage" in
   isd-ablation)
     python3 -m bench.isd --preset idlm-8b --concurrency 1,32 --strides 4,1 --no-overlap \
       --out "$OUT/isd-idlm-8b-h200-$short-no-overlap.json" 2>&1 | grep -v Warning ;;
+  long-context|long-context-steerling|long-context-isd)
+    # bench.long_context per engine: ~1-2 min build + compile each, then short runs (128 new tokens)
+    if [ "$stage" != long-context-isd ]; then
+      python3 -m bench.long_context --engine steerling --preset steerling-8b \
+        --out "$OUT/long-context-steerling-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/long-context-steerling-8b-h200-$short.txt"
+    fi
+    if [ "$stage" != long-context-steerling ]; then
+      python3 -m bench.long_context --engine isd --preset idlm-8b \
+        --out "$OUT/long-context-idlm-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/long-context-idlm-8b-h200-$short.txt"
+    fi ;;
   train-steerling)
     # steerling-small: corpus (stories generated here + the committed prose), training, held-out
     # evaluation, in one command of < 10 minutes. Returns the sharded bf16 weights, config,
