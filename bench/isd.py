@@ -35,7 +35,8 @@ import torch
 
 from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
-from bench.steerling import GpuTimer, json_writer, random_model, run_record
+from bench.steerling import GpuTimer, json_writer, run_record
+from cde.steerling.random_weights import random_model
 from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
 
 

@@ -16,6 +16,7 @@
 #   bash bench/run_h200.sh train-all       # both bundled models (idlm-small beside steerling-small + its eval)
 #   bash bench/run_h200.sh eval-idlm       # idlm-8b ISD bench, then idlm-small's full evaluation with H200 speed
 #   bash bench/run_h200.sh anchor      # the public reference (bench/anchor_steerling_ref.py)
+#   bash bench/run_h200.sh services    # the whole stack under locust at C=1, 8, 32 beside the engine (wheels: bench/wheels.sh)
 #
 # `anchor` needs the public `steerling` 0.2.0 package: installed, or its wheel and pydantic's
 # wheels (for the host's CPython) in .whl/ (do not commit them) on a host without a package registry.
@@ -111,6 +112,11 @@ case "$stage" in
     python3 -u -m train.eval_idlm --model-dir models/idlm-small --device cuda --speed --seed "${EVAL_SEED:-4242}" \
       --bench-8b "$OUT/isd-idlm-8b-h200-$short.json" --out "$OUT/eval-idlm-small-h200-$short.json" \
       --card-out "$OUT/README.md" 2>&1 | grep -v Warning | tee "$OUT/eval-idlm-small-h200-$short.log" ;;
+  services)
+    # Redis, steering, attribution, scheduler, one worker (random 8B-dims weights, bf16, compiled, CUDA
+    # graphs), gateway; locust streams POST /v1/completions at C = 1, 8, 32, then the in-process engine
+    python3 -m bench.services --out "$OUT/services-steerling-8b-h200-$short.json" 2>&1 | grep -v Warning \
+      | tee "$OUT/services-steerling-8b-h200-$short.txt" ;;
   anchor)
     python3 bench/anchor_steerling_ref.py 2>&1 | tee "$OUT/anchor-steerling-ref-h200-$short.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -28,46 +28,16 @@ import torch
 
 from cde.steerling.config import preset
 from cde.steerling.model import SteerlingModel
+from cde.steerling.random_weights import random_model, tie_embeddings
 from cde.steerling.reference_decoder import DecodeOptions
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import SteeringSpec, prepare
 from worker_svc.engine.steerling_engine import BlockEvent, SteerlingEngine
 
 
-def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02) -> torch.nn.Module:
-    """Random weights drawn on the model's device (an 8B model in seconds): norms at 1."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or ".ln_" in name or name.endswith("ln_f.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std)
-    return model
-
-
-def random_model(make, device: str, dtype: torch.dtype, seed: int = 0, tie=None):
-    """A model with random weights: `make()` builds it; on the CPU its own init_random, elsewhere
-    built on the meta device and filled in place on `device` (no 16 GB CPU detour at 8B).
-    `tie(model)` re-ties shared weights that `to_empty` split."""
-    if device == "cpu":
-        return make().init_random(seed, std=0.05).to(dtype).eval()
-    with torch.device("meta"):
-        model = make()
-    model = fill_random(model.to_empty(device=device).to(dtype), seed)
-    if tie is not None:
-        tie(model)
-    model.rebuild_rope(device)
-    return model.eval()
-
-
-def _tie_embeddings(model: SteerlingModel) -> None:
-    model.transformer.tok_emb.weight = model.transformer.lm_head.weight
-
-
 def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> SteerlingModel:
     cfg = preset(name)
-    return random_model(lambda: SteerlingModel(cfg), device, dtype, seed, _tie_embeddings)
+    return random_model(lambda: SteerlingModel(cfg), device, dtype, seed, tie_embeddings)
 
 
 def git_commit() -> str:

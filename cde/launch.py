@@ -138,7 +138,7 @@ class Stack:
             self.services.append(Service(f"worker{i}", py + [
                 "worker_svc", "--model-dir", model, "--host", "127.0.0.1", "--port", str(wp),
                 "--scheduler", f"127.0.0.1:{p['scheduler']}", "--worker-id", f"w{i}", "--device", a.device,
-                *threads], grpc_port=wp))
+                *threads, *getattr(a, "worker_args", ())], grpc_port=wp))
         self.services.append(Service("gateway", py + [
             "gateway", "--model-dir", model, "--host", a.host, "--http-port", str(p["gateway_http"]),
             "--grpc-port", str(p["gateway_grpc"]), "--scheduler", f"127.0.0.1:{p['scheduler']}",

