@@ -2,24 +2,41 @@
 their pages, then attend over the pages they may see.
 
 * `block_rows_attend` (Steerling): 64-token block rows, block-causal ("all earlier pages + my
-  page", keys up to the row's `n_visible`); each row writes its whole page.
+  page", keys up to the row's `n_visible`); each row writes its whole page. On CUDA in
+  bf16/fp16 (with the runner's `BlockKernelUse`) the writes are one Triton launch for K and V
+  (`write_block_kv`) and attention is `block_attention`, which reads the pages in place.
 * `query_windows_attend` (ISD): short query windows of a causal model; each real query token
   writes its K/V at its absolute position and a key is visible iff its position <= the query's.
-  On CUDA in bf16/fp16, windows of at most `MAX_QUERIES` queries go through the Triton kernel
-  below, which reads the pages in place.
-* Everything else: gather the row's pages and run SDPA with an additive mask (the exact path
-  the CPU tests compare with the reference decoders).
+  On CUDA in bf16/fp16, windows of at most `MAX_QUERIES` queries go through `paged_attention`,
+  which reads the pages in place.
+* Everything else (CPU, fp32/fp64, no Triton, or a kernel that failed to build on its first
+  call: switched off with one warning): gather the row's pages and run SDPA with an additive
+  mask (the exact path the CPU tests compare with the reference decoders).
 
-The Triton kernel: the ISD runner's decode steps have 1 (AR) to 8 (stride 4: 2N-1 = 7,
-bucketed) queries per row. Gathering each row's pages into a contiguous (rows, kv_heads,
-pages*64, head_dim) copy and running SDPA with an additive mask costs two gathers, the SDPA
-launch and its mask per layer: at batch 1 on an H200 that was ~0.5 ms of a ~6 ms step (36
-layers). The kernel reads the pages in place, one program per (row, kv head): the GROUP query
-heads sharing that kv head and the Q queries are packed into one M = Q*GROUP block (at least
-16 rows for `tl.dot`), keys/values are streamed page by page with an online softmax (fp32),
-and a key is visible iff its logical position <= the query's position -- the runner's mask
-rule ("everything cached before the window, causal inside it"). `tests/test_paged_attention.py`
-checks it against gather + SDPA under Triton's interpreter and, on a GPU, compiled.
+Why in place: gathering each row's pages into a contiguous (rows, kv_heads, pages*64, head_dim)
+copy costs two gathers, the SDPA launch and its mask per layer, and grows with the context
+(Steerling at 4K tokens: 10.6 ms per step against a 5.6 ms floor on an H200).
+
+`block_attention`: one program per (row, query head, split); its tile is the row's 64 block
+queries (bidirectional inside the block: every query sees keys 0 .. n_visible - 1, which is
+block-causal because a row's page table holds only pages 0 .. its block); query head h reads kv
+head h // group; keys/values are streamed a page at a time with an online softmax in fp32, and
+pages past the last visible key are never read.
+
+`paged_attention` (ISD decode steps: 1 (AR) to 8 queries per row): one program per (row, kv
+head, split); the GROUP query heads sharing that kv head and the Q queries are packed into one
+M = Q*GROUP block (at least 16 rows for `tl.dot`), and a key is visible iff its logical position
+<= the query's position -- the runner's mask rule ("everything cached before the window, causal
+inside it").
+
+Split-KV (flash-decoding), both kernels: at batch 1 there are only rows x heads programs (8 for
+ISD at 4K context on a 132-SM GPU), so each row's visible pages are cut into `splits` contiguous
+ranges, one program each, writing fp32 partials (running max, sum, unnormalised output) that
+`_merge_splits_kernel` combines. `split_count` picks the splits on the host from shapes alone
+(rows x heads programs, the page-table bucket, the SM count), so a CUDA graph per bucket
+captures one choice; splits = 1 writes the output directly (no partials, no merge).
+`tests/test_block_attention.py` and `tests/test_paged_attention.py` check the kernels against
+gather + SDPA under Triton's interpreter, compiled for sm_90, and on a GPU.
 """
 
 from __future__ import annotations
