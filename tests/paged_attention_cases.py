@@ -1,6 +1,8 @@
-"""Random paged-attention cases and the gather + SDPA path they are checked against, shared by
-tests/test_paged_attention.py and the child process that runs the Triton kernel under the CPU
-interpreter (``interpreter_child``)."""
+"""Random paged-attention cases (ISD decode windows, Steerling block rows) and the gather + SDPA
+path they are checked against, shared by tests/test_paged_attention.py,
+tests/test_block_attention.py and the child processes that run the Triton kernels under the CPU
+interpreter (``interpreter_child``, ``block_interpreter_child``, ``split_interpreter_child``) or
+compile them for sm_90 (``sm90_compile_child``)."""
 
 from __future__ import annotations
 
@@ -94,7 +96,8 @@ def block_gather_sdpa(case: dict) -> tuple[Tensor, Tensor, Tensor]:
     kv = KVCache(1, k_pool.shape[0], k_pool.shape[2], PAGE, k_pool.shape[3], k_pool.dtype, k_pool.device)
     kv.k[0].copy_(k_pool)
     kv.v[0].copy_(case["v_pool"])
-    out = block_rows_attend(kv, case["write_page"], case["pages"], case["n_visible"])(0, case["q"], case["k"], case["v"])
+    attend = block_rows_attend(kv, case["write_page"], case["pages"], case["n_visible"])
+    out = attend(0, case["q"], case["k"], case["v"])
     return kv.k[0], kv.v[0], out
 
 

@@ -13,7 +13,8 @@ import torch
 from tests.paged_attention_cases import block_gather_sdpa, make_block_case, make_case, reference
 from tests.triton_child import HAS_TRITON, run_child
 
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
+needs_triton = pytest.mark.skipif(not HAS_TRITON,
+                                  reason="triton is not installed (pip install -r requirements-test.txt)")
 # fp32 inputs and ieee dots under the interpreter: only the summation order differs from SDPA's
 # (online softmax over pages and splits), a few ulps of O(1) outputs
 FP32_TOL = 1e-5
@@ -57,6 +58,7 @@ SM90_KERNELS = [   # Steerling-8B shapes (GQA 8, head_dim 128), I-DLM's decode w
     ("_paged_attention_kernel", {"GROUP": 4, "M": 32, "D": 128, "PAGE": 64, "SPLITS": 16}),
     ("_merge_splits_kernel", {"SPLITS": 8, "BLOCK_T": 64, "D": 128}),
     ("_merge_splits_kernel", {"SPLITS": 16, "BLOCK_T": 8, "D": 128}),
+    ("_merge_splits_kernel", {"SPLITS": 32, "BLOCK_T": 1, "D": 128}),   # AR: one query per row
     ("_write_block_kv_kernel", {"D": 128, "PAGE": 64}),
 ]
 
@@ -95,7 +97,7 @@ def test_block_kernel_on_the_gpu_matches_sdpa_in_half_precision(seed):
 
     for i, dtype in enumerate((torch.bfloat16, torch.float16)):
         for splits in (1, 4, None):
-            case = make_block_case(seed + i, dtype, "cuda", n_h=32, n_kv=4, d=128, n_pages=80, n_tab=16)
+            case = make_block_case(seed + i, dtype, "cuda", n_h=32, n_kv=4, d=128, n_pages=96, n_tab=16)
             assert block_supported(case["q"], case["k_pool"])
             want_k, want_v, _ = block_gather_sdpa(case)
             want = block_gather_sdpa({k: (t.float() if t.is_floating_point() else t) for k, t in case.items()})[2]
@@ -131,17 +133,47 @@ def test_block_rows_attend_uses_the_kernel_on_the_gpu(seed):
     from worker_svc.engine.attention import BlockKernelUse, block_rows_attend
     from worker_svc.engine.kv_cache import KVCache
 
-    case = make_block_case(seed, torch.bfloat16, "cuda", n_h=32, n_kv=4, d=128, n_pages=80, n_tab=16)
+    case = make_block_case(seed, torch.bfloat16, "cuda", n_h=32, n_kv=4, d=128, n_pages=96, n_tab=16)
     outs = []
     for use in (BlockKernelUse(), None):
         kp = case["k_pool"]
         kv = KVCache(1, kp.shape[0], kp.shape[2], kp.shape[1], kp.shape[3], kp.dtype, kp.device)
         kv.k[0].copy_(kp)
         kv.v[0].copy_(case["v_pool"])
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             attend = block_rows_attend(kv, case["write_page"], case["pages"], case["n_visible"], use)
             outs.append(attend(0, case["q"], case["k"], case["v"]).float())
+        fallbacks = [str(w.message) for w in caught if "kernel unavailable" in str(w.message)]
+        assert not fallbacks, (seed, fallbacks)
         if use is not None:
             assert use.enabled and use.calls == 1, seed
     assert float((outs[0] - outs[1]).abs().max()) < HALF_TOL, seed
+
+
+def test_block_kernel_use_falls_back_on_cpu_and_switches_off_once_when_its_first_build_fails(seed):
+    from tests.paged_attention_cases import block_gather_sdpa
+    from worker_svc.engine.attention import BlockKernelUse, block_rows_attend
+    from worker_svc.engine.kv_cache import KVCache
+
+    case = make_block_case(seed)
+    kp = case["k_pool"]
+    kv = KVCache(1, kp.shape[0], kp.shape[2], kp.shape[1], kp.shape[3], kp.dtype, kp.device)
+    kv.k[0].copy_(kp)
+    kv.v[0].copy_(case["v_pool"])
+    use = BlockKernelUse()
+    got = block_rows_attend(kv, case["write_page"], case["pages"], case["n_visible"], use)(
+        0, case["q"], case["k"], case["v"])
+    assert use.enabled and use.calls == 0, seed                   # fp32 on CPU: gather + SDPA
+    assert torch.equal(got, block_gather_sdpa(case)[2]), seed
+
+    def broken_build(*_):
+        raise RuntimeError("no ptxas for this target")
+
+    with pytest.warns(UserWarning, match="block attention kernel unavailable"):
+        assert use._guarded(broken_build) is None
+    assert not use.enabled
+    served = BlockKernelUse()
+    assert served._guarded(torch.zeros, 1) is not None and served.calls == 1
+    with pytest.raises(RuntimeError, match="no ptxas"):         # after a success a failure is a real error
+        served._guarded(broken_build)
