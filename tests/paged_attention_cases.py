@@ -1,6 +1,8 @@
-"""Random paged-attention cases and the gather + SDPA path they are checked against, shared by
-tests/test_paged_attention.py and the child process that runs the Triton kernel under the CPU
-interpreter (``interpreter_child``)."""
+"""Random paged-attention cases (ISD decode windows, Steerling block rows) and the gather + SDPA
+path they are checked against, shared by tests/test_paged_attention.py,
+tests/test_block_attention.py and the child processes that run the Triton kernels under the CPU
+interpreter (``interpreter_child``, ``block_interpreter_child``, ``split_interpreter_child``) or
+compile them for sm_90 (``sm90_compile_child``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from cde.blocks import PAGE
 
@@ -52,3 +55,109 @@ def interpreter_child() -> None:
         assert got.shape == want.shape
         worst = max(worst, float((got - want).abs().max()))
     print(json.dumps({"max_abs_err": worst}))
+
+
+# ---- Steerling block rows ---------------------------------------------------------------------
+
+def make_block_case(seed: int, dtype=torch.float32, device="cpu", n_h=8, n_kv=2, d=32, n_pages=32, n_tab=5):
+    """Block rows the way the Steerling runner lays them out: row r is block b of its request,
+    its page table holds the request's pages 0..b (physical pages shuffled, the rest scratch page
+    0), its block K/V goes to its own page, and it sees keys 0 .. n_visible - 1 = 64 * b + row_len - 1.
+    Rows: one that sees only (part of) its own page, one ending mid-page, one ending on a page
+    boundary, a full table, a random one, and a padding row (scratch page 0, n_visible 64)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda hi: int(torch.randint(1, hi + 1, (1,), generator=g))   # noqa: E731  1..hi
+    blocks = [0, rnd(n_tab - 2), rnd(n_tab - 1), n_tab - 1, rnd(n_tab) - 1]
+    row_lens = [rnd(PAGE - 1), rnd(PAGE - 1), PAGE, rnd(PAGE), rnd(PAGE)]
+    perm = (torch.randperm(n_pages - 1, generator=g) + 1)[: len(blocks) * n_tab].view(len(blocks), n_tab)
+    pages = torch.zeros(len(blocks) + 1, n_tab, dtype=torch.long)            # last row: padding
+    for i, b in enumerate(blocks):
+        pages[i, : b + 1] = perm[i, : b + 1]
+    n_rows = pages.shape[0]
+    write_page = pages[torch.arange(n_rows), torch.tensor(blocks + [0])].clone()
+    n_visible = torch.tensor([PAGE * b + n for b, n in zip(blocks, row_lens)] + [PAGE])
+    k_pool = torch.randn(n_pages, PAGE, n_kv, d, generator=g)
+    v_pool = torch.randn(n_pages, PAGE, n_kv, d, generator=g)
+    q = torch.randn(n_rows, n_h, PAGE, d, generator=g)
+    # the block's own K/V as the model hands them over: (R, KV, 64, D) views of a (R, 64, KV, D) tensor
+    k = torch.randn(n_rows, PAGE, n_kv, d, generator=g).transpose(1, 2)
+    v = torch.randn(n_rows, PAGE, n_kv, d, generator=g).transpose(1, 2)
+    to = lambda t: t.to(device=device, dtype=dtype)    # noqa: E731
+    return dict(q=to(q), k=to(k), v=to(v), k_pool=to(k_pool), v_pool=to(v_pool), write_page=write_page.to(device),
+                pages=pages.to(device), n_visible=n_visible.to(device))
+
+
+def block_gather_sdpa(case: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """The runner's fallback (block_rows_attend without a kernel): pools after the write, output."""
+    from worker_svc.engine.attention import block_rows_attend
+    from worker_svc.engine.kv_cache import KVCache
+
+    k_pool = case["k_pool"]
+    kv = KVCache(1, k_pool.shape[0], k_pool.shape[2], PAGE, k_pool.shape[3], k_pool.dtype, k_pool.device)
+    kv.k[0].copy_(k_pool)
+    kv.v[0].copy_(case["v_pool"])
+    attend = block_rows_attend(kv, case["write_page"], case["pages"], case["n_visible"])
+    out = attend(0, case["q"], case["k"], case["v"])
+    return kv.k[0], kv.v[0], out
+
+
+def block_kernel_errors(case: dict, splits: int) -> dict:
+    """The Triton write + block attention against `block_gather_sdpa`, and the same kernel with
+    n_visible - 1 (an off-by-one in visibility the comparison must catch)."""
+    from worker_svc.engine.attention import block_attention, write_block_kv
+
+    want_k, want_v, want = block_gather_sdpa(case)
+    kc, vc = case["k_pool"].clone(), case["v_pool"].clone()
+    write_block_kv(kc, vc, case["write_page"], case["k"], case["v"])
+    got = block_attention(case["q"], kc, vc, case["pages"], case["n_visible"], splits=splits)
+    shifted = block_attention(case["q"], kc, vc, case["pages"], case["n_visible"] - 1, splits=splits)
+    return {"write_exact": bool(torch.equal(kc, want_k) and torch.equal(vc, want_v)),
+            "layout": list(got.shape) == list(want.shape) and got.transpose(1, 2).is_contiguous(),
+            "max_abs_err": float((got.float() - want.float()).abs().max()),
+            "off_by_one_err": float((shifted.float() - want.float()).abs().max())}
+
+
+def block_interpreter_child(seed: int) -> None:
+    """Splits 1, 2 and 5 (more splits than some rows have pages: empty splits); 4 query heads on
+    2 kv heads, kept small for the interpreter."""
+    reports = {str(s): block_kernel_errors(make_block_case(seed + s, n_h=4), s) for s in (1, 2, 5)}
+    print(json.dumps(reports))
+
+
+def split_interpreter_child(seed: int) -> None:
+    """The ISD kernel with forced splits against gather + SDPA, and with positions - 1."""
+    from worker_svc.engine.attention import paged_attention
+
+    reports = {}
+    for i, (n_q, splits) in enumerate(((1, 2), (4, 3), (8, 4))):
+        q, k_pool, v_pool, pages, positions = make_case(seed + i, n_q)
+        want = reference(q, k_pool, v_pool, pages, positions)
+        got = paged_attention(q, k_pool, v_pool, pages, positions, splits=splits)
+        shifted = paged_attention(q, k_pool, v_pool, pages, positions - 1, splits=splits)
+        reports[f"{n_q}x{splits}"] = {"max_abs_err": float((got - want).abs().max()),
+                                      "off_by_one_err": float((shifted - want).abs().max())}
+    print(json.dumps(reports))
+
+
+def sm90_compile_child(kernels: list[tuple[str, dict]]) -> None:
+    """Compile attention.py's kernels for sm_90 (no GPU needed) with bf16 data pointers,
+    fp32 split partials and i64 tables, through the jitted function's own constexpr parameters:
+    the compiled dialect is stricter than the interpreter."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from worker_svc.engine import attention
+
+    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "kc_ptr": "*bf16",
+             "vc_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "pages_ptr": "*i64",
+             "qpos_ptr": "*i64", "nvis_ptr": "*i64", "page_ptr": "*i64", "scale": "fp32"}
+    report = {}
+    for kernel, consts in kernels:
+        jit = attention._jit(getattr(attention, kernel))
+        names = {p.name for p in jit.params if p.is_constexpr}
+        assert names == set(consts), (kernel, sorted(names), sorted(consts))
+        sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in jit.params}
+        compiled = triton.compile(ASTSource(jit, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+        report[f"{kernel} {consts}"] = sorted(compiled.asm)
+    print(json.dumps(report))

@@ -32,9 +32,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from worker_svc.engine.attention import _kernel
 jit = _kernel()
-consts = {"GROUP": 4, "M": 32, "D": 128, "PAGE": 64}
+consts = {"GROUP": 4, "M": 32, "D": 128, "PAGE": 64, "SPLITS": 1}
 assert {p.name for p in jit.params if p.is_constexpr} == set(consts), [p.name for p in jit.params if p.is_constexpr]
-ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "pages_ptr": "*i64", "qpos_ptr": "*i64"}
+ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "pages_ptr": "*i64", "qpos_ptr": "*i64",
+        "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32"}
 sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "fp32" if p.name == "scale" else "i32")
        for p in jit.params}
 k = triton.compile(ASTSource(jit, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))

@@ -2,28 +2,46 @@
 their pages, then attend over the pages they may see.
 
 * `block_rows_attend` (Steerling): 64-token block rows, block-causal ("all earlier pages + my
-  page", keys up to the row's `n_visible`); each row writes its whole page.
+  page", keys up to the row's `n_visible`); each row writes its whole page. On CUDA in
+  bf16/fp16 (with the runner's `BlockKernelUse`) the writes are one Triton launch for K and V
+  (`write_block_kv`) and attention is `block_attention`, which reads the pages in place.
 * `query_windows_attend` (ISD): short query windows of a causal model; each real query token
   writes its K/V at its absolute position and a key is visible iff its position <= the query's.
-  On CUDA in bf16/fp16, windows of at most `MAX_QUERIES` queries go through the Triton kernel
-  below, which reads the pages in place.
-* Everything else: gather the row's pages and run SDPA with an additive mask (the exact path
-  the CPU tests compare with the reference decoders).
+  On CUDA in bf16/fp16, windows of at most `MAX_QUERIES` queries go through `paged_attention`,
+  which reads the pages in place.
+* Everything else (CPU, fp32/fp64, no Triton, or a kernel that failed to build on its first
+  call: switched off with one warning): gather the row's pages and run SDPA with an additive
+  mask (the exact path the CPU tests compare with the reference decoders).
 
-The Triton kernel: the ISD runner's decode steps have 1 (AR) to 8 (stride 4: 2N-1 = 7,
-bucketed) queries per row. Gathering each row's pages into a contiguous (rows, kv_heads,
-pages*64, head_dim) copy and running SDPA with an additive mask costs two gathers, the SDPA
-launch and its mask per layer: at batch 1 on an H200 that was ~0.5 ms of a ~6 ms step (36
-layers). The kernel reads the pages in place, one program per (row, kv head): the GROUP query
-heads sharing that kv head and the Q queries are packed into one M = Q*GROUP block (at least
-16 rows for `tl.dot`), keys/values are streamed page by page with an online softmax (fp32),
-and a key is visible iff its logical position <= the query's position -- the runner's mask
-rule ("everything cached before the window, causal inside it"). `tests/test_paged_attention.py`
-checks it against gather + SDPA under Triton's interpreter and, on a GPU, compiled.
+Why in place: gathering each row's pages into a contiguous (rows, kv_heads, pages*64, head_dim)
+copy costs two gathers, the SDPA launch and its mask per layer, and grows with the context
+(Steerling at 4K tokens: 10.6 ms per step against a 5.6 ms floor on an H200).
+
+`block_attention`: one program per (row, query head, split); its tile is the row's 64 block
+queries (bidirectional inside the block: every query sees keys 0 .. n_visible - 1, which is
+block-causal because a row's page table holds only pages 0 .. its block); query head h reads kv
+head h // group; keys/values are streamed a page at a time with an online softmax in fp32, and
+pages past the last visible key are never read.
+
+`paged_attention` (ISD decode steps: 1 (AR) to 8 queries per row): one program per (row, kv
+head, split); the GROUP query heads sharing that kv head and the Q queries are packed into one
+M = Q*GROUP block (at least 16 rows for `tl.dot`), and a key is visible iff its logical position
+<= the query's position -- the runner's mask rule ("everything cached before the window, causal
+inside it").
+
+Split-KV (flash-decoding), both kernels: at batch 1 there are only rows x heads programs (8 for
+ISD at 4K context on a 132-SM GPU), so each row's visible pages are cut into `splits` contiguous
+ranges, one program each, writing fp32 partials (running max, sum, unnormalised output) that
+`_merge_splits_kernel` combines. `split_count` picks the splits on the host from shapes alone
+(rows x heads programs, the page-table bucket, the SM count), so a CUDA graph per bucket
+captures one choice; splits = 1 writes the output directly (no partials, no merge).
+`tests/test_block_attention.py` and `tests/test_paged_attention.py` check the kernels against
+gather + SDPA under Triton's interpreter, compiled for sm_90, and on a GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -42,12 +60,15 @@ except ImportError:   # CPU installs without Triton: the runner keeps gather + S
     triton = None
 
 
-def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, qpos_ptr, out_ptr,
+# ---- Triton kernels (plain functions, jitted lazily per interpreter mode by `_jit`) -------------
+
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, qpos_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
                             sq_r, sq_h, sq_t, sk_p, sk_t, sk_h, sp_r, sqp_r, so_r, so_t, so_h,
-                            scale, Q, GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-                            PAGE: tl.constexpr):
+                            scale, Q, NH, GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                            PAGE: tl.constexpr, SPLITS: tl.constexpr):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     m = tl.arange(0, M)            # packed (query t, head-in-group g) = t * GROUP + g
     t = m // GROUP
     h = kvh * GROUP + m % GROUP
@@ -58,11 +79,15 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, qpos_ptr, out_ptr,
                 other=0.0)
     pos = tl.load(qpos_ptr + r64 * sqp_r + t, mask=real, other=-1)
     last = tl.max(pos, 0)          # the row's furthest query: pages past it are never read
+    n_pages = last // PAGE + 1
+    per_split = (n_pages + SPLITS - 1) // SPLITS     # this program's contiguous range of pages
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, n_pages)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     j = tl.arange(0, PAGE)
-    for pi in range(0, last // PAGE + 1):
+    for pi in range(lo, hi):
         page = tl.load(pages_ptr + r64 * sp_r + pi).to(tl.int64)
         base = page * sk_p + kvh * sk_h
         k = tl.load(k_ptr + base + j[:, None] * sk_t + d[None, :])
@@ -76,22 +101,163 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, qpos_ptr, out_ptr,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + r64 * so_r + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=real[:, None])
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + r64 * so_r + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=real[:, None])
+    else:   # partials (R, NH, SPLITS, Q[, D]) for `_merge_splits_kernel`
+        part = ((r64 * NH + h) * SPLITS + split) * Q + t
+        tl.store(pm_ptr + part, m_i, mask=real)
+        tl.store(pl_ptr + part, l_i, mask=real)
+        tl.store(pacc_ptr + part[:, None] * D + d[None, :], acc, mask=real[:, None])
 
 
-_JITTED: dict[bool, object] = {}
+def _block_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, nvis_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
+                            sq_r, sq_h, sq_t, sk_p, sk_t, sk_h, sp_r, so_r, so_t, so_h,
+                            scale, NH, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                            SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One program per (row, query head, split): the row's 64 block queries against keys
+    0 .. n_visible - 1 of its page table (the same keys for every query: bidirectional inside
+    the block, block-causal because the table holds only pages 0 .. the row's block)."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    kvh = h // GROUP
+    t = tl.arange(0, PAGE)         # BLOCK_M = the row's block = one page of queries
+    d = tl.arange(0, D)
+    r64 = r.to(tl.int64)
+    q = tl.load(q_ptr + r64 * sq_r + h * sq_h + t[:, None] * sq_t + d[None, :])
+    n_vis = tl.load(nvis_ptr + r64)
+    n_pages = (n_vis + PAGE - 1) // PAGE              # pages past the last visible key are never read
+    per_split = (n_pages + SPLITS - 1) // SPLITS
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, n_pages)
+    m_i = tl.full([PAGE], float("-inf"), tl.float32)
+    l_i = tl.zeros([PAGE], tl.float32)
+    acc = tl.zeros([PAGE, D], tl.float32)
+    for pi in range(lo, hi):       # every page read has >= 1 visible key, so m_i is finite after it
+        page = tl.load(pages_ptr + r64 * sp_r + pi).to(tl.int64)
+        base = page * sk_p + kvh * sk_h
+        k = tl.load(k_ptr + base + t[:, None] * sk_t + d[None, :])
+        v = tl.load(v_ptr + base + t[:, None] * sk_t + d[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        s = tl.where((pi * PAGE + t)[None, :] < n_vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + r64 * so_r + t[:, None] * so_t + h * so_h + d[None, :], out.to(out_ptr.dtype.element_ty))
+    else:   # partials (R, NH, SPLITS, 64[, D]); an empty split stores m = -inf, l = 0, acc = 0
+        part = ((r64 * NH + h) * SPLITS + split) * PAGE + t
+        tl.store(pm_ptr + part, m_i)
+        tl.store(pl_ptr + part, l_i)
+        tl.store(pacc_ptr + part[:, None] * D + d[None, :], acc)
+
+
+def _merge_splits_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, so_r, so_t, so_h, NH, T,
+                         SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """Flash-decoding merge, one program per (row, query head): out = sum_s w_s acc_s / sum_s w_s l_s
+    with w_s = exp(m_s - max_s m_s)."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    t = tl.arange(0, BLOCK_T)
+    real = t < T
+    d = tl.arange(0, D)
+    r64 = r.to(tl.int64)
+    first = (r64 * NH + h) * SPLITS * T + t
+    m_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        m_max = tl.maximum(m_max, tl.load(pm_ptr + first + s * T, mask=real, other=float("-inf")))
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)     # a query that saw no key at all
+    l_sum = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T, D], tl.float32)
+    for s in range(SPLITS):
+        w = tl.exp(tl.load(pm_ptr + first + s * T, mask=real, other=float("-inf")) - m_safe)
+        l_sum += w * tl.load(pl_ptr + first + s * T, mask=real, other=0.0)
+        acc += w[:, None] * tl.load(pacc_ptr + (first + s * T)[:, None] * D + d[None, :], mask=real[:, None],
+                                    other=0.0)
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(out_ptr + r64 * so_r + t[:, None] * so_t + h * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=real[:, None])
+
+
+def _write_block_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, page_ptr, sk_r, sk_h, sk_t, sv_r, sv_h, sv_t,
+                           sc_p, sc_t, sc_h, D: tl.constexpr, PAGE: tl.constexpr):
+    """K and V of row r's block (strided views of the qkv projection) into page write_page[r], one
+    program per (row, kv head): one launch for both tensors, no contiguous copy of the sources."""
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    t = tl.arange(0, PAGE)
+    d = tl.arange(0, D)
+    r64 = r.to(tl.int64)
+    dst = tl.load(page_ptr + r64).to(tl.int64) * sc_p + kvh * sc_h + t[:, None] * sc_t + d[None, :]
+    k = tl.load(k_ptr + r64 * sk_r + kvh * sk_h + t[:, None] * sk_t + d[None, :])
+    v = tl.load(v_ptr + r64 * sv_r + kvh * sv_h + t[:, None] * sv_t + d[None, :])
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty))
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty))
+
+
+_JITTED: dict[tuple[str, bool], object] = {}
+
+
+def _jit(fn):
+    """Jitted lazily, per mode: `triton.jit` picks the CPU interpreter (TRITON_INTERPRET=1)
+    or the compiler when it wraps the function."""
+    key = (fn.__name__, bool(triton.knobs.runtime.interpret))
+    if key not in _JITTED:
+        _JITTED[key] = triton.jit(fn)
+    return _JITTED[key]
 
 
 def _kernel():
-    """Jitted lazily, per mode: `triton.jit` picks the CPU interpreter (TRITON_INTERPRET=1)
-    or the compiler when it wraps the function."""
-    mode = bool(triton.knobs.runtime.interpret)
-    if mode not in _JITTED:
-        _JITTED[mode] = triton.jit(_paged_attention_kernel)
-    return _JITTED[mode]
+    return _jit(_paged_attention_kernel)
 
+
+# ---- splits (flash-decoding) ------------------------------------------------------------------
+
+SPLIT_WAVES = 2              # aim for ~2 programs per SM
+MIN_PAGES_PER_SPLIT = 2      # a split of one page is mostly merge overhead
+MAX_SPLITS = 32
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_count(programs: int, n_pages: int, device: torch.device) -> int:
+    """Key splits for a grid of `programs` (rows x heads) over page tables of `n_pages`, from
+    shapes only (a CUDA graph per bucket captures one choice): enough programs to fill ~2 waves
+    of the GPU's SMs, at least MIN_PAGES_PER_SPLIT pages each. 1 off CUDA (the interpreter:
+    tests force their splits)."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    want = -(-SPLIT_WAVES * sms // programs)
+    return max(1, min(want, n_pages // MIN_PAGES_PER_SPLIT, MAX_SPLITS))
+
+
+def _partials(rows: int, n_h: int, splits: int, n_q: int, d: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-split running max, sum and unnormalised output (fp32); unused placeholders at 1 split."""
+    if splits == 1:
+        empty = torch.empty(1, dtype=torch.float32, device=device)
+        return empty, empty, empty
+    f32 = dict(dtype=torch.float32, device=device)
+    return (torch.empty(rows, n_h, splits, n_q, **f32), torch.empty(rows, n_h, splits, n_q, **f32),
+            torch.empty(rows, n_h, splits, n_q, d, **f32))
+
+
+def _merge(partials: tuple[Tensor, Tensor, Tensor], out: Tensor, splits: int) -> None:
+    r, n_q, n_h, d = out.shape
+    _jit(_merge_splits_kernel)[(r, n_h)](*partials, out, out.stride(0), out.stride(1), out.stride(2), n_h, n_q,
+                                         SPLITS=splits, BLOCK_T=triton.next_power_of_2(n_q), D=d)
+
+
+# ---- ISD decode windows ---------------------------------------------------------------------
 
 def supported(q: Tensor) -> bool:
     """Whether `paged_attention` serves this step's queries (else: gather + SDPA)."""
@@ -99,27 +265,83 @@ def supported(q: Tensor) -> bool:
             and q.shape[2] <= MAX_QUERIES)
 
 
-def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor, positions: Tensor) -> Tensor:
+def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor, positions: Tensor,
+                    splits: int | None = None) -> Tensor:
     """softmax(q K^T / sqrt(d)) V over each row's pages, keys at logical positions <= the query's.
 
     q (R, H, Q, D); k_pool, v_pool (pages, 64, KV, D) (one layer of the pool, last dim
     contiguous); pages (R, P) long, logical block -> physical page (padded with scratch page
-    0: never read past the row's last query); positions (R, Q) long. Returns (R, H, Q, D), a
-    transposed view of a (R, Q, H, D) tensor (what the output projection reads).
+    0: never read past the row's last query); positions (R, Q) long. splits: key splits
+    (default `split_count`; 1 = one program per (row, kv head), no merge). Returns (R, H, Q, D),
+    a transposed view of a (R, Q, H, D) tensor (what the output projection reads).
     """
     r, n_h, n_q, d = q.shape
     n_kv, page = k_pool.shape[2], k_pool.shape[1]
     group = n_h // n_kv
+    splits = splits or split_count(r * n_kv, pages.shape[1], q.device)
     out = torch.empty(r, n_q, n_h, d, dtype=q.dtype, device=q.device)
     m = max(16, triton.next_power_of_2(n_q * group))
     if q.stride(3) != 1:
         q = q.contiguous()
     assert k_pool.stride(3) == 1 and k_pool.stride() == v_pool.stride()
     pages, positions = pages.contiguous(), positions.contiguous()
-    _kernel()[(r, n_kv)](q, k_pool, v_pool, pages, positions, out,
-                         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-                         pages.stride(0), positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
-                         d ** -0.5, n_q, GROUP=group, M=m, D=d, PAGE=page)
+    partials = _partials(r, n_h, splits, n_q, d, q.device)
+    _kernel()[(r, n_kv, splits)](q, k_pool, v_pool, pages, positions, out, *partials,
+                                 q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1),
+                                 k_pool.stride(2), pages.stride(0), positions.stride(0),
+                                 out.stride(0), out.stride(1), out.stride(2),
+                                 d ** -0.5, n_q, n_h, GROUP=group, M=m, D=d, PAGE=page, SPLITS=splits)
+    if splits > 1:
+        _merge(partials, out, splits)
+    return out.transpose(1, 2)
+
+
+# ---- Steerling block rows ---------------------------------------------------------------------
+
+def block_supported(q: Tensor, k_pool: Tensor) -> bool:
+    """Whether `block_attention` serves these block rows (else: gather + SDPA)."""
+    d = q.shape[3]
+    return (triton is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and k_pool.dtype == q.dtype and q.shape[2] == k_pool.shape[1] and d >= 16 and d & (d - 1) == 0)
+
+
+def write_block_kv(k_pool: Tensor, v_pool: Tensor, write_page: Tensor, k: Tensor, v: Tensor) -> None:
+    """Row r's block K/V (R, KV, 64, D) into page write_page[r] of the pool, one launch."""
+    r, n_kv, page, d = k.shape
+    assert k.stride(3) == 1 and v.stride(3) == 1 and k_pool.stride(3) == 1 and k_pool.stride() == v_pool.stride()
+    _jit(_write_block_kv_kernel)[(r, n_kv)](k, v, k_pool, v_pool, write_page.contiguous(),
+                                            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                                            v.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+                                            D=d, PAGE=page)
+
+
+def block_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor, n_visible: Tensor,
+                    splits: int | None = None) -> Tensor:
+    """softmax(q K^T / sqrt(d)) V of 64-query block rows over keys 0 .. n_visible[r] - 1 of
+    their page tables, read in place.
+
+    q (R, H, 64, D); k_pool, v_pool (pages, 64, KV, D); pages (R, P) long; n_visible (R,)
+    long. splits: key splits (default `split_count`). Returns (R, H, 64, D), a transposed view
+    of a (R, 64, H, D) tensor.
+    """
+    r, n_h, n_q, d = q.shape
+    n_kv, page = k_pool.shape[2], k_pool.shape[1]
+    splits = splits or split_count(r * n_h, pages.shape[1], q.device)
+    out = torch.empty(r, n_q, n_h, d, dtype=q.dtype, device=q.device)
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    assert k_pool.stride(3) == 1 and k_pool.stride() == v_pool.stride()
+    pages, n_visible = pages.contiguous(), n_visible.contiguous()
+    partials = _partials(r, n_h, splits, n_q, d, q.device)
+    # fp32 inputs only under the interpreter (tests): exact products there
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _jit(_block_attention_kernel)[(r, n_h, splits)](
+        q, k_pool, v_pool, pages, n_visible, out, *partials,
+        q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        pages.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        d ** -0.5, n_h, GROUP=n_h // n_kv, D=d, PAGE=page, SPLITS=splits, DOT_PRECISION=precision)
+    if splits > 1:
+        _merge(partials, out, splits)
     return out.transpose(1, 2)
 
 
@@ -158,43 +380,84 @@ class _GatheredSdpa:
                                               enable_gqa=True)
 
 
-def block_rows_attend(kv: KVCache, write_page: Tensor, pages: Tensor, n_visible: Tensor) -> AttendFn:
-    """Steerling rows: each row's block K/V goes to its page `write_page`; it sees keys
-    0 .. n_visible - 1 of its page table (block-causal)."""
-    key_pos = torch.arange(pages.shape[1] * kv.page, device=pages.device)
-    sdpa = _GatheredSdpa(kv, pages, (key_pos[None, :] < n_visible[:, None])[:, None, None, :])   # (R, 1, 1, P*64)
+class KernelUse:
+    """Whether a Triton path serves its calls (switched off for good, with one warning, when it
+    fails to build on its first call), and how often it did."""
 
-    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        kc, vc = kv.k[layer], kv.v[layer]
-        kc.index_copy_(0, write_page, k.transpose(1, 2).to(kc.dtype))
-        vc.index_copy_(0, write_page, v.transpose(1, 2).to(vc.dtype))
-        return sdpa(layer, q)
-
-    return attend
-
-
-class PagedKernelUse:
-    """Whether the Triton kernel serves decode windows (switched off for good when it fails to
-    build on its first call), and how often it did."""
+    name = "Triton"
 
     def __init__(self) -> None:
         self.enabled = True
         self.calls = 0
 
-    def run(self, q: Tensor, kc: Tensor, vc: Tensor, pages: Tensor, positions: Tensor) -> Tensor | None:
-        if not (self.enabled and supported(q)):
-            return None
+    def _guarded(self, fn: Callable[..., Tensor], *args: Tensor) -> Tensor | None:
         try:
-            out = paged_attention(q, kc, vc, pages, positions)
+            out = fn(*args)
         except Exception as exc:   # a Triton build this kernel does not compile on
             if self.calls:
                 raise
             self.enabled = False
-            warnings.warn(f"paged attention kernel unavailable ({type(exc).__name__}: {exc}); "
-                          "using gather + SDPA", stacklevel=3)
+            warnings.warn(f"{self.name} kernel unavailable ({type(exc).__name__}: {exc}); "
+                          "using gather + SDPA", stacklevel=4)
             return None
         self.calls += 1
         return out
+
+
+class PagedKernelUse(KernelUse):
+    """The ISD decode windows' kernel (`paged_attention`)."""
+
+    name = "paged attention"
+
+    def run(self, q: Tensor, kc: Tensor, vc: Tensor, pages: Tensor, positions: Tensor) -> Tensor | None:
+        if not (self.enabled and supported(q)):
+            return None
+        return self._guarded(paged_attention, q, kc, vc, pages, positions)
+
+
+def _write_and_attend(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, write_page: Tensor,
+                      pages: Tensor, n_visible: Tensor) -> Tensor:
+    # every row's write is queued before any row reads: a request's commit row and decode row
+    # may share the step (the decode row reads the commit row's page)
+    write_block_kv(kc, vc, write_page, k, v)
+    return block_attention(q, kc, vc, pages, n_visible)
+
+
+class BlockKernelUse(KernelUse):
+    """The Steerling block rows' kernels (`write_block_kv` + `block_attention`)."""
+
+    name = "block attention"
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, write_page: Tensor, pages: Tensor,
+            n_visible: Tensor) -> Tensor | None:
+        if not (self.enabled and block_supported(q, kc)):
+            return None
+        # a failed build writes nothing or the same bytes the fallback's index_copy_ writes again
+        return self._guarded(_write_and_attend, q, k, v, kc, vc, write_page, pages, n_visible)
+
+
+def block_rows_attend(kv: KVCache, write_page: Tensor, pages: Tensor, n_visible: Tensor,
+                      kernel: BlockKernelUse | None = None) -> AttendFn:
+    """Steerling rows: each row's block K/V goes to its page `write_page`; it sees keys
+    0 .. n_visible - 1 of its page table (block-causal). With `kernel` (CUDA, bf16/fp16) the
+    pages are read in place; else (or once it failed to build) gather + SDPA."""
+    sdpa: _GatheredSdpa | None = None
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        nonlocal sdpa
+        kc, vc = kv.k[layer], kv.v[layer]
+        if kernel is not None:
+            out = kernel.run(q, k, v, kc, vc, write_page, pages, n_visible)
+            if out is not None:
+                return out
+        kc.index_copy_(0, write_page, k.transpose(1, 2).to(kc.dtype))
+        vc.index_copy_(0, write_page, v.transpose(1, 2).to(vc.dtype))
+        if sdpa is None:   # the mask only where gather + SDPA runs
+            key_pos = torch.arange(pages.shape[1] * kv.page, device=pages.device)
+            sdpa = _GatheredSdpa(kv, pages, (key_pos[None, :] < n_visible[:, None])[:, None, None, :])  # (R,1,1,P*64)
+        return sdpa(layer, q)
+
+    return attend
 
 
 def query_windows_attend(kv: KVCache, write_idx: Tensor, pages: Tensor, positions: Tensor,

@@ -25,7 +25,7 @@ from cde.blocks import BLOCK
 from cde.steerling import kernels
 from cde.steerling.model import SteeringInputs, SteerlingModel
 from cde.steerling.sampling import draw, entropy_temperature, top_p_filter
-from worker_svc.engine.attention import block_rows_attend
+from worker_svc.engine.attention import BlockKernelUse, block_rows_attend
 from worker_svc.engine.kv_cache import KVCache
 from worker_svc.engine.layouts import BlockResultLayout
 
@@ -86,6 +86,7 @@ class StepRunner:
         self.banned_mask[banned] = True
         self.banned_mask[self.cfg.eos_id] = True
         self.kernels = kernels.EAGER   # the engine swaps in compiled ones (SteerlingEngine._compile)
+        self.block_kernel = BlockKernelUse()   # Triton attention over the pages in place (CUDA, bf16/fp16)
 
     def resolve_tokens(self, inp: ForwardInputs) -> Tensor:
         """The rows' tokens: the host's, or the block-token table's for `from_table` rows."""
@@ -96,7 +97,7 @@ class StepRunner:
     def forward(self, inp: ForwardInputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         cfg = self.cfg
         r = inp.pages.shape[0]
-        attend = block_rows_attend(self.kv, inp.write_page, inp.pages, inp.n_visible)
+        attend = block_rows_attend(self.kv, inp.write_page, inp.pages, inp.n_visible, self.block_kernel)
         steering = SteeringInputs(self.tables.steer.index_select(0, inp.steer_slot), inp.alpha,
                                   (inp.tokens == cfg.mask_id).float(), inp.inject_layer)
         h = self.model.hidden_states(inp.tokens, inp.positions, attend, steering)
