@@ -4,6 +4,7 @@
 #
 #   bash bench/run_h200.sh gpu-tests   # the `gpu` tests: engines (eager + graphs), Triton verify
 #   bash bench/run_h200.sh steerling   # Steerling-8B sweep C=1..64, on/off, kernel profile at 1 and 32
+#   bash bench/run_h200.sh steerling-quick # Steerling-8B at C=1, 32 (on) with kernel profiles: a check between sweeps
 #   bash bench/run_h200.sh long        # Steerling-8B, 64 requests x 1,024 new tokens (pages, peak memory)
 #   bash bench/run_h200.sh multi-token # Steerling-8B at C=1, 32: k = 1, 2, 4 tokens per step and thresholds 0.9 / 0.7
 #   bash bench/run_h200.sh ablation    # Steerling-8B at C=1, 16 without overlapped steps (what overlap saves)
@@ -40,11 +41,15 @@ export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" CDE_COMMIT="$commi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 case "$stage" in
   gpu-tests)
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_isd_engine.py tests/test_isd.py tests/test_paged_attention.py tests/test_block_attention.py \
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_isd_engine.py tests/test_isd.py tests/test_paged_attention.py tests/test_block_attention.py tests/test_confidence_kernel.py tests/test_fused_swiglu.py \
       2>&1 | tee "$OUT/gpu-tests-$short.txt" ;;
   steerling)
     python3 -m bench.steerling --preset steerling-8b --long-run "" --profile 1,32 \
       --out "$OUT/engine-steerling-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/engine-steerling-8b-h200-$short.txt" ;;
+  steerling-quick)
+    # C = 1 and 32 with attribution + steering on, kernel profiles at both: a check between full sweeps
+    python3 -m bench.steerling --preset steerling-8b --concurrency 1,32 --off-concurrency "" --long-run "" --profile 1,32 \
+      --out "$OUT/engine-steerling-8b-h200-$short-quick.json" 2>&1 | grep -v Warning | tee "$OUT/engine-steerling-8b-h200-$short-quick.txt" ;;
   long)
     python3 -m bench.steerling --preset steerling-8b --concurrency "" --off-concurrency "" --long-run 64x1024 \
       --out "$OUT/engine-steerling-8b-h200-$short-long.json" 2>&1 | grep -v Warning ;;
