@@ -221,15 +221,16 @@ def test_fp32_paged_forward_equals_dense_reference_forward(seed):
     captured = {}
     real_forward = engine.runner.forward
 
-    def spy(inp):
-        out = real_forward(inp)
-        captured["logits"], captured["inp"] = out[0], inp
+    def spy(inp, head_rows):
+        out = real_forward(inp, head_rows)
+        captured["logits"], captured["inp"], captured["rows"] = out.logits, inp, head_rows
         return out
 
     engine.runner.forward = spy
     rows = engine._plan()
     engine.step()
-    logits = captured["logits"].view(-1, 64, model.cfg.vocab_size)
+    # the engine scores only its candidate (masked) positions: compare those, through its map
+    head_rows = captured["rows"]
     checked = 0
     with torch.no_grad():
         for i, (req, b, is_decode) in enumerate(rows):
@@ -241,7 +242,10 @@ def test_fp32_paged_forward_equals_dense_reference_forward(seed):
             pos = torch.arange(end)[None]
             h = model.hidden_states(seq, pos, dense_block_causal_attend(pos, 64))
             ref = model.heads(h[0, start:end]).logits
-            ours = logits[i, : end - start]
+            at = head_rows.candidate[i, : end - start].nonzero().squeeze(1)
+            assert at.numel() == int((seq[0, start:end] == model.cfg.mask_id).sum()) > 0
+            ours = captured["logits"][head_rows.index[i, at]]
+            ref = ref[at]
             assert float((ours - ref).abs().max() / ref.abs().max()) <= 1e-5
             checked += 1
     assert checked >= 1

@@ -115,6 +115,7 @@ class SteerlingEngine(EngineRuntime):
         self.topk_discovered = min(self.cfg.topk_discovered, self.cfg.n_discovered)
         self.head_rows = 0          # head rows the launched steps scored (sum of their HB)
         self.position_rows = 0      # positions the launched steps forwarded (sum of 64 x row bucket)
+        self.last_heads = (0, 0)    # the last launched step's (candidate bound N, head rows HB)
         # Overlapped steps: their tokens come from the device's block-token table.
         self._accelerate(compile, cuda_graphs)
 
@@ -303,6 +304,7 @@ class SteerlingEngine(EngineRuntime):
         packed = self._execute_device(rb, pb, hb, layout, to_device(fwd, self.device), to_device(smp, self.device))
         self.forwards += 1
         self.head_rows += hb
+        self.last_heads = (n_candidates, hb)
         self.position_rows += rb * BLOCK
         n_cols = layout.sampled_width if not self.want_records else packed.shape[1]
         return LaunchedStep(rows, layout, *self._pinned.start_copy(packed[:n, :n_cols]), host_plan=bounds)
