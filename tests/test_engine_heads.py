@@ -21,7 +21,7 @@ from cde.blocks import BLOCK
 from cde.steerling.config import TINY
 from cde.steerling.reference_decoder import DecodeOptions
 from cde.steerling.sampling import SamplingParams
-from tests.test_engine_parity import VOCAB, check_against_reference, make_model, steer
+from tests.steerling_engine_cases import VOCAB, check_against_reference, make_model, steer
 from worker_svc.engine.runtime import ROW_BUCKETS, bucket
 from worker_svc.engine.steerling_engine import HEAD_BUCKETS, SteerlingEngine, head_bucket
 from worker_svc.engine.steerling_runner import compact_heads
