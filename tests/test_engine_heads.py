@@ -92,14 +92,18 @@ def test_heads_run_on_the_bucket_of_the_candidates_only(seed):
     """Synchronous steps: each step's bound N is exactly its decode rows' masked positions, its HB
     the bucket of N (0 without decode rows), and model.heads receives HB rows (the runner's
     own count of what it passed, every step eager on the CPU)."""
-    model = make_model(seed)
+    model = make_model(seed, TINY.replace(eot_id=None))   # every request runs to length
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64, max_prefill_rows=2, overlap=False)
     rng = random.Random(seed)
-    for i, (length, new, k) in enumerate([(3, 100, 1), (250, 60, 4), (64, 70, 2)]):
-        engine.submit(f"h{i}", [rng.randrange(256) for _ in range(length)],
-                      DecodeOptions(new, SamplingParams(), tokens_per_step=k, seed=rng.randrange(1 << 40)))
+    # the long prompt alone first: its first step has commit rows only; the 3-token request
+    # ends last, alone, its block's masks falling below 32 and 16
+    jobs = [(250, 60, 4), (3, 100, 1), (64, 70, 2)]
     seen_hb, prefill_only, fewer = set(), 0, 0
-    while engine.has_work():
+    while engine.has_work() or jobs:
+        if jobs and engine.steps in (0, 1, 2):
+            length, new, k = jobs.pop(0)
+            engine.submit(f"h{len(jobs)}", [rng.randrange(256) for _ in range(length)],
+                          DecodeOptions(new, SamplingParams(), tokens_per_step=k, seed=rng.randrange(1 << 40)))
         engine.table.finish_cancelled()
         engine.table.admit()
         rows = engine._plan()   # the rows step() is about to run (nothing changes in between)
@@ -122,7 +126,7 @@ def test_heads_run_on_the_bucket_of_the_candidates_only(seed):
 def test_a_bound_below_the_real_masks_is_caught_on_the_host(seed):
     """The bound must hold for every live row; a step launched with one too low fails when its
     results are applied (the device caps the row, so the row would silently lose a candidate)."""
-    model = make_model(seed)
+    model = make_model(seed, TINY.replace(eot_id=None))   # no early end: the request is still decoding
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=16, overlap=False)
     engine.submit("x", list(range(10)), DecodeOptions(60, seed=seed))
     engine.step()
