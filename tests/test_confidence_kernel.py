@@ -1,4 +1,4 @@
-"""The sampler's Triton confidence pass (worker_svc/engine/confidence.py) against the
+"""The sampler's Triton confidence pass (cde.steerling.confidence_kernel.py) against the
 elementwise function the CPU engine and the reference decoder use
 (`cde.steerling.kernels.confidence`): under Triton's CPU interpreter, compiled for sm_90
 without a GPU, and on a GPU in bf16."""
@@ -20,7 +20,7 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installe
 CHILD = """
 import json, sys, torch
 from cde.steerling import kernels
-from worker_svc.engine.confidence import row_confidence
+from cde.steerling.confidence_kernel import row_confidence
 seed, device, dtype = int(sys.argv[1]), sys.argv[2], getattr(torch, sys.argv[3])
 g = torch.Generator().manual_seed(seed)
 n, v, slots = 7, 5003, 4
@@ -59,7 +59,7 @@ def test_confidence_kernel_compiles_for_sm90():
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from worker_svc.engine.confidence import _kernel, BLOCK_V
+from cde.steerling.confidence_kernel import _kernel, BLOCK_V
 jit = _kernel()
 ptrs = {"logits_ptr": "*bf16", "relu_ptr": "*fp32", "seen_ptr": "*u8", "banned_ptr": "*u8", "slot_ptr": "*i64",
         "rep_ptr": "*fp32", "out_ptr": "*fp32"}

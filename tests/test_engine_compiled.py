@@ -75,3 +75,21 @@ def test_compiled_kernels_equal_eager_on_fresh_inputs(seed):
     pos, step = torch.randint(0, 1 << 20, (257,), generator=g), torch.randint(0, 1 << 16, (257,), generator=g)
     for stream in (0, 3):
         assert torch.equal(kn.counter_uniform(seed, pos, step, stream), kernels.counter_uniform(seed, pos, step, stream))
+
+
+def test_compiled_confidence_at_equals_eager(seed):
+    """The compacted sampler's confidence (tables looked up per head row by slot, fused when
+    compiled) against its eager self, for head-row counts that vary (one dynamic graph)."""
+    kn = kernels.compiled()
+    g = torch.Generator().manual_seed(seed)
+    slots, v = 5, 50
+    relu = torch.rand(slots, v, generator=g) * (torch.rand(slots, v, generator=g) < 0.3)
+    seen = torch.rand(slots, v, generator=g) < 0.2
+    banned = torch.rand(v, generator=g) < 0.1
+    for n in (16, 48, 64):
+        logits = torch.randn(n, v, generator=g) * 4
+        slot = torch.randint(0, slots, (n,), generator=g)
+        rep = torch.tensor([1.0, 1.3, 0.8, 1.0, 1.1])[slot]
+        eager = kernels.confidence_at(logits, relu, seen, slot, rep, banned)
+        torch.testing.assert_close(kn.confidence_at(logits, relu, seen, slot, rep, banned), eager,
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")

@@ -20,51 +20,14 @@ import pytest
 import torch
 
 from cde.steerling.config import TINY
-from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.sampling import SamplingParams
-from cde.steerling.steering import SteeringSpec, prepare
-from tests.oracle import assert_same_topk
+from tests.steerling_engine_cases import VOCAB, check_against_reference, make_model, steer
 from worker_svc.engine.steerling_engine import BlockEvent, FinishEvent, SteerlingEngine, StepEvent
 from worker_svc.engine.runtime import PinnedPairs
 from tests.seeding import draw_seed
 
 pytestmark = pytest.mark.parity
-VOCAB = 264
-
-
-def make_model(seed: int, cfg=TINY, dtype=torch.float64) -> SteerlingModel:
-    return SteerlingModel(cfg).init_random(seed, std=0.05).to(dtype).eval()
-
-
-def steer(model, ids, mode="amplify"):
-    spec = SteeringSpec.amplify(ids, 10.0, 2, 24) if mode == "amplify" else SteeringSpec.suppress(ids[0], ids[1:], -8.0)
-    return prepare(spec, model.known_head.embeddings(torch.tensor(spec.concept_ids)),
-                   model.transformer.lm_head.weight, model.cfg.n_layers)
-
-
-def check_against_reference(model, engine, submitted):
-    """Every request's events must equal what the reference decoder produces alone."""
-    for rid, (prompt, opts, st, handle) in submitted.items():
-        events = list(engine.drain(handle))
-        finish = [e for e in events if isinstance(e, FinishEvent)]
-        assert len(finish) == 1, rid
-        ref = generate(model, prompt, opts, st, tokenizer_vocab_size=VOCAB)
-        assert finish[0].output_tokens == ref.output_tokens, rid
-        assert finish[0].reason == ref.finish_reason, rid
-        assert handle.seq == ref.sequence, rid
-        steps = [e for e in events if isinstance(e, StepEvent)]
-        assert [(s.step, s.positions, s.tokens) for s in steps] == \
-            [(s.step, s.positions, s.tokens) for s in ref.steps], rid
-        blocks = [e for e in events if isinstance(e, BlockEvent)]
-        assert [(b.block, b.start, b.end, b.tokens) for b in blocks] == \
-            [(b.block, b.start, b.end, b.tokens) for b in ref.blocks], rid
-        for ours, theirs in zip(blocks, ref.blocks):
-            a, b = ours.records, theirs.records
-            assert torch.equal(a.positions, b.positions) and torch.equal(a.tokens, b.tokens)
-            assert torch.allclose(a.target_logits, b.target_logits, atol=1e-5)
-            assert_same_topk(a.known_idx, a.known_logits, b.known_idx, b.known_logits)
-            assert_same_topk(a.disc_idx, a.disc_logits, b.disc_idx, b.disc_logits)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -221,15 +184,16 @@ def test_fp32_paged_forward_equals_dense_reference_forward(seed):
     captured = {}
     real_forward = engine.runner.forward
 
-    def spy(inp):
-        out = real_forward(inp)
-        captured["logits"], captured["inp"] = out[0], inp
+    def spy(inp, head_rows):
+        out = real_forward(inp, head_rows)
+        captured["logits"], captured["inp"], captured["rows"] = out.logits, inp, head_rows
         return out
 
     engine.runner.forward = spy
     rows = engine._plan()
     engine.step()
-    logits = captured["logits"].view(-1, 64, model.cfg.vocab_size)
+    # the engine scores only its candidate (masked) positions: compare those, through its map
+    head_rows = captured["rows"]
     checked = 0
     with torch.no_grad():
         for i, (req, b, is_decode) in enumerate(rows):
@@ -241,7 +205,10 @@ def test_fp32_paged_forward_equals_dense_reference_forward(seed):
             pos = torch.arange(end)[None]
             h = model.hidden_states(seq, pos, dense_block_causal_attend(pos, 64))
             ref = model.heads(h[0, start:end]).logits
-            ours = logits[i, : end - start]
+            at = head_rows.candidate[i, : end - start].nonzero().squeeze(1)
+            assert at.numel() == int((seq[0, start:end] == model.cfg.mask_id).sum()) > 0
+            ours = captured["logits"][head_rows.index[i, at]]
+            ref = ref[at]
             assert float((ours - ref).abs().max() / ref.abs().max()) <= 1e-5
             checked += 1
     assert checked >= 1

@@ -88,17 +88,29 @@ def confidence(logits: Tensor, relu: Tensor, seen: Tensor, rep: Tensor, banned: 
     return torch.softmax(adjust_logits(logits, relu, seen, rep, banned), dim=-1).amax(dim=-1)
 
 
+def confidence_at(logits: Tensor, relu_table: Tensor, seen_table: Tensor, slot: Tensor, rep: Tensor,
+                  banned: Tensor) -> Tensor:
+    """`confidence` of N scattered positions, (N,): logits (N, V), each position's request's relu
+    and seen rows looked up in the tables (S, V) by slot (N,), rep (N,) fp32. Compiled, the
+    lookups are indirect loads inside the softmax's reductions: no (N, V) copy of either table."""
+    return confidence(logits[:, None, :], relu_table[slot][:, None, :], seen_table[slot][:, None, :], rep,
+                      banned)[:, 0]
+
+
 # counter_uniform: ~60 int64 elementwise ops eager (five hash rounds), one kernel compiled
 _FUNCTIONS = {"qkv_prep": qkv_prep, "add_norm": add_norm, "add_norm_steer": add_norm_steer, "swiglu": swiglu,
-              "confidence": confidence, "counter_uniform": counter_uniform}
+              "confidence": confidence, "confidence_at": confidence_at, "counter_uniform": counter_uniform}
 EAGER = Kernels(_FUNCTIONS)
 
 
 def compiled(backend="inductor") -> Kernels:
-    """The functions compiled with dynamic shapes (cde/regional.py); SwiGLU on CUDA in half
-    precision as its own Triton kernel (cde/fused_swiglu.py says why)."""
+    """The functions compiled with dynamic shapes (cde/regional.py); on CUDA in half precision,
+    SwiGLU and the sampler's confidence pass as hand-written Triton kernels (cde/fused_swiglu.py,
+    cde/steerling/confidence_kernel.py say why)."""
     from cde import fused_swiglu
+    from cde.steerling import confidence_kernel
 
     kn = regional.compiled(_FUNCTIONS, backend)
     kn.swiglu = fused_swiglu.dispatching(kn.swiglu)
+    kn.confidence_at = confidence_kernel.dispatching(kn.confidence_at)
     return kn

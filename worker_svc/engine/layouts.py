@@ -48,6 +48,11 @@ class BlockResultLayout:
                 "disc_idx": t * self.topk_discovered, "disc_logits": t * self.topk_discovered}
 
     @property
+    def width(self) -> int:
+        """All columns: what `pack` returns per row."""
+        return sum(self.widths().values())
+
+    @property
     def sampled_width(self) -> int:
         """Columns of the first four fields: all a step without concept records copies back."""
         return 4 * self.tokens_per_step

@@ -50,6 +50,7 @@ class LaunchedStep:
     layout: Any   # layouts.BlockResultLayout | layouts.IsdResultLayout
     host: Tensor
     done: object | None   # torch.cuda.Event, None on the CPU
+    host_plan: Any = None  # what the strategy decided at launch and checks when applying (optional)
 
     def results(self) -> Tensor:
         """The packed results on the host, once their copy has landed."""

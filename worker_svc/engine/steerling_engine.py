@@ -15,6 +15,14 @@ position, step), preemption and batching never change a seeded request's output.
 The host keeps each request's tokens; the device keeps KV pages, steering vectors, relu
 masks and seen-token bitmaps per slot. One device-to-host copy per step brings back the
 chosen positions, tokens and raw concept records.
+
+Concept heads run only on the positions that need them (steerling_runner.py): the host bounds,
+per decode row, the masked positions the row has at this step (exact for a step built from the
+host's tokens; for an overlapped step, masks left - min(tokens_per_step, masks left), since the
+step in flight commits exactly that many), buckets their sum N into HB head rows
+(`head_bucket`: HB >= N, never 1) and the device compacts those positions' hidden states into HB
+rows. When a step's results are applied the host checks that each live row really had at most
+its bound (`_apply`), so a wrong bound fails loudly instead of silently dropping a candidate.
 """
 
 from __future__ import annotations
@@ -46,6 +54,17 @@ _ARANGE_BLOCK = np.arange(BLOCK, dtype=np.int64)
 
 PAGE_BUCKETS = (2, 4, 8, 16, 32, 64)
 TOKENS_PER_STEP_BUCKETS = (1, 4, 16, 64)
+# Head rows per step: fine below one block (a lone request's last masks), then whole blocks.
+# Never 1: the compiled confidence pass would specialize on a size-1 dimension.
+HEAD_BUCKETS = (16, 32) + tuple(BLOCK * b for b in ROW_BUCKETS)
+
+
+def head_bucket(n_candidates: int, row_bucket: int) -> int:
+    """Head rows of a step with at most `n_candidates` candidate positions over `row_bucket`
+    rows: 0 without any (no heads run), else a bucket >= n_candidates, at most 64 per row."""
+    if n_candidates == 0:
+        return 0
+    return min(bucket(n_candidates, HEAD_BUCKETS), BLOCK * row_bucket)
 
 
 # ---- host-side request state ------------------------------------------------------------------
@@ -94,6 +113,9 @@ class SteerlingEngine(EngineRuntime):
         self.want_records = True   # copy raw concept records to the host (off only in benchmarks)
         self.topk_known = min(self.cfg.topk_known, self.cfg.n_known)
         self.topk_discovered = min(self.cfg.topk_discovered, self.cfg.n_discovered)
+        self.head_rows = 0          # head rows the launched steps scored (sum of their HB)
+        self.position_rows = 0      # positions the launched steps forwarded (sum of 64 x row bucket)
+        self.last_heads = (0, 0)    # the last launched step's (candidate bound N, head rows HB)
         # Overlapped steps: their tokens come from the device's block-token table.
         self._accelerate(compile, cuda_graphs)
 
@@ -136,7 +158,9 @@ class SteerlingEngine(EngineRuntime):
         """Compile (and, on GPU, capture) the step for the shapes traffic will use, before SERVING.
 
         Runs throwaway requests covering one row and several rows (PyTorch specializes size
-        1), prefill + decode + commit rows, several page counts and every tokens-per-step bucket.
+        1), prefill + decode + commit rows, several page counts and every tokens-per-step bucket;
+        their blocks decode from 64 masks down to 1, so the steps pass through the head-row
+        buckets of up to max_rows blocks (HB >= 16: the confidence pass never sees a size 1).
         """
         for n_rows in sorted({1, min(2, max_rows), max_rows}):
             for tokens_per_step in TOKENS_PER_STEP_BUCKETS:
@@ -254,15 +278,19 @@ class SteerlingEngine(EngineRuntime):
             greedy=np.ones(rb, dtype=bool), entropy=np.zeros(rb, dtype=bool),
             temperature=np.ones(rb, dtype=np.float32), top_p=np.ones(rb, dtype=np.float32),
             seed=np.zeros(rb, dtype=i64), step=np.zeros(rb, dtype=i64), tokens_per_step=np.zeros(rb, dtype=i64),
-            threshold=np.full(rb, -np.inf, dtype=np.float32))
+            threshold=np.full(rb, -np.inf, dtype=np.float32), heads=np.zeros(rb, dtype=i64))
         for i, (req, b, is_decode) in enumerate(rows):
             start, end = req.block_range(b)
-            ahead = 0
+            ahead = committed_least = 0
+            left = req.seq[start:end].count(cfg.mask_id) if is_decode else 0
             if overlapped:
                 fwd.from_table[i] = True
                 ahead = 1
+                # the step before commits min(tokens_per_step, left) tokens; a threshold row at least one
+                committed_least = 1 if req.options.confidence_threshold is not None else min(req.options.tokens_per_step, left)
             else:
                 fwd.tokens[i, : end - start] = req.seq[start:end]
+            smp.heads[i] = left - committed_least   # masks the row has at this step, at most
             fwd.positions[i] = _ARANGE_BLOCK + start
             fwd.write_page[i] = req.pages[b]
             fwd.pages[i, : b + 1] = req.pages[: b + 1]
@@ -288,23 +316,32 @@ class SteerlingEngine(EngineRuntime):
                 smp.tokens_per_step[i] = o.tokens_per_step
                 if o.confidence_threshold is not None:
                     smp.threshold[i] = o.confidence_threshold
-        packed = self._execute_device(rb, pb, layout, to_device(fwd, self.device), to_device(smp, self.device))
+        bounds = smp.heads[:n].tolist()
+        n_candidates = sum(bounds)
+        hb = head_bucket(n_candidates, rb)
+        assert n_candidates <= hb, f"{n_candidates} candidate positions, {hb} head rows"
+        packed = self._execute_device(rb, pb, hb, layout, to_device(fwd, self.device), to_device(smp, self.device))
         self.forwards += 1
+        self.head_rows += hb
+        self.last_heads = (n_candidates, hb)
+        self.position_rows += rb * BLOCK
         n_cols = layout.sampled_width if not self.want_records else packed.shape[1]
-        return LaunchedStep(rows, layout, *self._pinned.start_copy(packed[:n, :n_cols]))
+        return LaunchedStep(rows, layout, *self._pinned.start_copy(packed[:n, :n_cols]), host_plan=bounds)
 
     def _apply_step(self, launched: LaunchedStep) -> None:
-        self._apply(launched.rows, launched.layout.unpack(launched.results(), self.want_records))
+        self._apply(launched.rows, launched.layout.unpack(launched.results(), self.want_records),
+                    launched.host_plan)
 
-    def _execute_device(self, rb: int, pb: int, layout: BlockResultLayout, fwd: ForwardInputs,
+    def _execute_device(self, rb: int, pb: int, hb: int, layout: BlockResultLayout, fwd: ForwardInputs,
                         smp: SamplerInputs) -> Tensor:
         if self._graphs is None:
-            return self.runner.step(layout, fwd, smp)
-        return self._graphs.run((rb, pb, layout.tokens_per_step), (fwd, smp),
-                                lambda f, s: self.runner.step(layout, f, s),
+            return self.runner.step(layout, fwd, smp, hb)
+        return self._graphs.run((rb, pb, layout.tokens_per_step, hb), (fwd, smp),
+                                lambda f, s: self.runner.step(layout, f, s, hb),
                                 lambda: self.runner.neutral_inputs(rb, pb))
 
-    def _apply(self, rows: list[BlockRow], results: BlockResults) -> None:
+    def _apply(self, rows: list[BlockRow], results: BlockResults, head_bounds: list[int] | None = None) -> None:
+        """head_bounds: the per-row bounds the step was launched with (checked, see module doc)."""
         # numpy views of the host copy: per-row indexing there is ~10x cheaper than torch's
         res = BlockResults(*(None if t is None else t.numpy() for t in results))
         pos_sel, tok_sel, valid = res.positions, res.tokens, res.valid
@@ -318,6 +355,13 @@ class SteerlingEngine(EngineRuntime):
                 if req.pending_commit and b == req.active:
                     advance.append(req)
                 continue
+            if head_bounds is not None:
+                # the host's tokens now are the ones the step ran on: its bound must have held
+                start, end = req.block_range(b)
+                masks = req.seq[start:end].count(self.cfg.mask_id)
+                if masks > head_bounds[i]:
+                    raise RuntimeError(f"request {req.request_id}: {masks} masked positions in a step "
+                                       f"launched with a bound of {head_bounds[i]} head rows")
             keep = np.flatnonzero(valid[i])
             if keep.size == 0:  # cannot happen for a block with masks left; never burn a step
                 continue

@@ -8,8 +8,27 @@ last token) whose final K/V must be written once. Per layer, every row first wri
 into its own page, then attends over the pages it may see, so a request's commit rows and
 decode row can share a step.
 
-Both functions have fixed shapes for a given (rows, pages, tokens per step) bucket: no Python branching on
-data, steering and concept heads always in, so they compile once and can be captured as
+Concept heads only where they are needed. Token logits are needed only at the masked
+positions of decode rows (the confidence pass and the draw) and concept records only at the
+positions a step commits, which are a subset of those. So the step compacts: `compact_heads`
+puts the flat indices of the candidate positions (masked, on a decode row, within the row's
+host bound) first, in order, into a fixed number HB of head rows (the host's bucket of an upper
+bound on the candidates; padding entries point at position 0, a real hidden state whose
+results are never read), `model.heads` runs on those HB hidden states only, and the sampler
+scatters their confidences back into (R, 64) (-inf elsewhere) and gathers the chosen
+positions' logits and records through the position -> head-row map. A step without decode
+rows (HB = 0: prompt blocks and block commits only) runs no heads and no sampler at all.
+
+Why the output is unchanged: the heads are row-wise, each position's concept top-k, composed
+features and logits are a function of its own hidden state only, so computing them for a
+subset of rows changes which rows are computed, not their arithmetic (the reference decoder
+itself scores only the masked positions). The float64 CPU tests check it token for token and
+record for record. On a GPU, fp32/bf16 GEMMs may pick another kernel or split for another
+row count, so a row's logits can differ in the last bit between batch shapes (as they already
+did between row buckets); the CPU tests do not see that.
+
+Every function has fixed shapes for a given (rows, pages, tokens per step, head rows) bucket:
+no Python branching on data, steering always in, so they compile once and can be captured as
 CUDA graphs.
 """
 
@@ -23,7 +42,7 @@ from torch import Tensor
 
 from cde.blocks import BLOCK
 from cde.steerling import kernels
-from cde.steerling.model import SteeringInputs, SteerlingModel
+from cde.steerling.model import HeadsOutput, SteeringInputs, SteerlingModel
 from cde.steerling.sampling import draw, entropy_temperature, top_p_filter
 from worker_svc.engine.attention import BlockKernelUse, block_rows_attend
 from worker_svc.engine.kv_cache import KVCache
@@ -57,6 +76,35 @@ class SamplerInputs:
     step: Tensor          # (R,) long: the request's step counter
     tokens_per_step: Tensor  # (R,) long
     threshold: Tensor     # (R,) fp32 confidence threshold (-inf = off)
+    heads: Tensor         # (R,) long: most masked positions of the row that get heads (the host's
+                          # upper bound; 0 on commit rows). Caps a row whose block an <|eot_id|>
+                          # filled differently than an overlapped launch assumed (its results are
+                          # dropped), so the step's candidates never exceed its head rows.
+
+
+@dataclass
+class HeadRows:
+    """Which positions of a step the heads run on (`compact_heads`)."""
+
+    flat: Tensor          # (HB,) long: row * 64 + position of each head row; candidates first, in order
+    index: Tensor         # (R, 64) long: a candidate's head row (clamped into [0, HB) elsewhere)
+    candidate: Tensor     # (R, 64) bool: masked, on a decode row, within the row's bound
+
+
+def compact_heads(tokens: Tensor, mask_id: int, decode: Tensor, bound: Tensor, head_rows: int) -> HeadRows:
+    """The step's candidate positions compacted into `head_rows` entries with a cumsum scatter:
+    fixed shapes, no host sync (CUDA-graph capturable). The host guarantees sum(bound) <= head_rows."""
+    masked = (tokens == mask_id) & decode[:, None]
+    rank_in_row = torch.cumsum(masked.long(), 1) - 1
+    candidate = masked & (rank_in_row < bound[:, None])
+    flat_candidate = candidate.reshape(-1)
+    rank = torch.cumsum(flat_candidate.long(), 0) - 1
+    # non-candidates all land on the extra entry `head_rows`, which is cut off
+    dest = torch.where(flat_candidate, rank, torch.full_like(rank, head_rows))
+    flat = torch.zeros(head_rows + 1, dtype=torch.long, device=tokens.device)
+    flat.scatter_(0, dest, torch.arange(flat_candidate.numel(), device=tokens.device))
+    index = rank.clamp(0, head_rows - 1).view_as(tokens)
+    return HeadRows(flat[:head_rows], index, candidate)
 
 
 class DeviceTables:
@@ -87,6 +135,7 @@ class StepRunner:
         self.banned_mask[self.cfg.eos_id] = True
         self.kernels = kernels.EAGER   # the engine swaps in compiled ones (SteerlingEngine._compile)
         self.block_kernel = BlockKernelUse()   # Triton attention over the pages in place (CUDA, bf16/fp16)
+        self.heads_rows = 0            # rows model.heads received, summed over eager calls
 
     def resolve_tokens(self, inp: ForwardInputs) -> Tensor:
         """The rows' tokens: the host's, or the block-token table's for `from_table` rows."""
@@ -94,17 +143,22 @@ class StepRunner:
         return torch.where(inp.from_table[:, None], table, inp.tokens)
 
     # ---- forward ----------------------------------------------------------------------
-    def forward(self, inp: ForwardInputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def hidden_states(self, inp: ForwardInputs) -> Tensor:
+        """The rows' final hidden states (R * 64, D); every row writes its K/V on the way."""
         cfg = self.cfg
-        r = inp.pages.shape[0]
         attend = block_rows_attend(self.kv, inp.write_page, inp.pages, inp.n_visible, self.block_kernel)
         steering = SteeringInputs(self.tables.steer.index_select(0, inp.steer_slot), inp.alpha,
                                   (inp.tokens == cfg.mask_id).float(), inp.inject_layer)
         h = self.model.hidden_states(inp.tokens, inp.positions, attend, steering)
-        # One scoring pass over the step's rows (transient rows x 64 x 101,200 fp32 scores for
-        # the discovered head: 2.5 GB at 96 rows), so the compiled shapes stay generic in R.
-        heads = self.model.heads(h.reshape(r * BLOCK, -1), token_chunk=None)
-        return heads.logits, heads.known_idx, heads.known_logits, heads.disc_idx, heads.disc_logits
+        return h.reshape(-1, h.shape[-1])
+
+    def forward(self, inp: ForwardInputs, head_rows: HeadRows) -> HeadsOutput:
+        """Forward over all rows, then the concept heads + LM head on the step's head rows only."""
+        h = self.hidden_states(inp).index_select(0, head_rows.flat)
+        # One scoring pass over the head rows (transient HB x 101,200 fp32 scores for the
+        # discovered head), so the compiled shapes stay generic in HB.
+        self.heads_rows += h.shape[0]   # Python-side: every eager step; under CUDA graphs only captures
+        return self.model.heads(h, token_chunk=None)
 
     # ---- sampler ----------------------------------------------------------------------
     def neutral_inputs(self, rows: int, pages: int) -> tuple[ForwardInputs, SamplerInputs]:
@@ -123,22 +177,28 @@ class StepRunner:
             decode=torch.zeros(rows, **b), slot=torch.zeros(rows, **long), rep=torch.ones(rows, **f32),
             greedy=torch.ones(rows, **b), entropy=torch.zeros(rows, **b), temperature=torch.ones(rows, **f32),
             top_p=torch.ones(rows, **f32), seed=torch.zeros(rows, **long), step=torch.zeros(rows, **long),
-            tokens_per_step=torch.zeros(rows, **long), threshold=torch.full((rows,), float("-inf"), **f32))
+            tokens_per_step=torch.zeros(rows, **long), threshold=torch.full((rows,), float("-inf"), **f32),
+            heads=torch.zeros(rows, **long))
         return fwd, smp
 
-    def step(self, layout: BlockResultLayout, fwd: ForwardInputs, smp: SamplerInputs) -> Tensor:
-        """The whole device step: resolve the rows' tokens, forward, sample (packed results)."""
+    def step(self, layout: BlockResultLayout, fwd: ForwardInputs, smp: SamplerInputs, head_rows: int) -> Tensor:
+        """The whole device step: resolve the rows' tokens, forward, heads on `head_rows`
+        compacted positions, sample (packed results). head_rows = 0 (no decode row): the
+        forward only (K/V writes), and all-zero results nobody reads."""
         tokens = self.resolve_tokens(fwd)
         fwd = dataclasses.replace(fwd, tokens=tokens)
-        logits, kidx, klog, didx, dlog = self.forward(fwd)
+        if head_rows == 0:
+            self.hidden_states(fwd)
+            return torch.zeros(tokens.shape[0], layout.width, dtype=torch.int32, device=tokens.device)
+        rows = compact_heads(tokens, self.cfg.mask_id, smp.decode, smp.heads, head_rows)
+        heads = self.forward(fwd, rows)
         row_len = fwd.n_visible - fwd.positions[:, 0]
-        return self.sample(layout, tokens, fwd.positions, logits, kidx, klog, didx, dlog, smp, row_len)
+        return self.sample(layout, tokens, fwd.positions, heads, rows, smp, row_len)
 
-    def sample(self, layout: BlockResultLayout, tokens: Tensor, positions: Tensor, logits: Tensor, known_idx: Tensor,
-               known_logits: Tensor, disc_idx: Tensor, disc_logits: Tensor, s: SamplerInputs,
-               row_len: Tensor | None = None) -> Tensor:
+    def sample(self, layout: BlockResultLayout, tokens: Tensor, positions: Tensor, heads: HeadsOutput,
+               head_rows: HeadRows, s: SamplerInputs, row_len: Tensor | None = None) -> Tensor:
         """Pick and draw up to layout.tokens_per_step positions per decode row; returns the packed
-        host-bound results (`layout`).
+        host-bound results (`layout`). `heads` holds one entry per head row (`head_rows`).
 
         Same arithmetic as the reference decoder, row by row: relu mask, repetition penalty,
         bans, confidence = max softmax prob over the masked positions, top-k positions (with
@@ -146,21 +206,26 @@ class StepRunner:
         """
         cfg = self.cfg
         r = tokens.shape[0]
+        logits = heads.logits                                                              # (HB, V)
         v = logits.shape[-1]
         max_tokens = layout.tokens_per_step
-        lg = logits.view(r, BLOCK, v)
         relu = self.tables.relu.index_select(0, s.slot)[:, None, :]
         seen = self.tables.seen.index_select(0, s.slot)[:, None, :]
-        conf = self.kernels.confidence(lg, relu, seen, s.rep, self.banned_mask)        # (R, 64)
-        candidate = (tokens == cfg.mask_id) & s.decode[:, None]
-        conf = torch.where(candidate, conf, torch.full_like(conf, float("-inf")))
+        # confidence per head row, its request's tables looked up per entry (fused when compiled)
+        entry_row = head_rows.flat // BLOCK
+        conf_rows = self.kernels.confidence_at(logits, self.tables.relu, self.tables.seen, s.slot[entry_row],
+                                               s.rep[entry_row], self.banned_mask)         # (HB,)
+        conf = torch.where(head_rows.candidate, conf_rows[head_rows.index], torch.full_like(conf_rows[:1], float("-inf")))
         conf_sel, idx = conf.topk(max_tokens, dim=1)                                       # (R, max_tokens)
         j = torch.arange(max_tokens, device=tokens.device)[None, :]
         valid = (j < s.tokens_per_step[:, None]) & (conf_sel > float("-inf")) & ((j == 0) | (conf_sel >= s.threshold[:, None]))
 
-        rows = torch.arange(r, device=tokens.device)[:, None].expand(r, max_tokens)
+        # the chosen positions' head rows (a harmless clamped entry where nothing was chosen)
+        chosen = head_rows.index.gather(1, idx).reshape(-1)                               # (R * max_tokens,)
+        lg_sel = logits.index_select(0, chosen)
         # the chosen positions' adjusted logits, recomputed (elementwise: the same bits)
-        adj_sel = kernels.adjust_logits(lg[rows, idx], relu, seen, s.rep, self.banned_mask).reshape(r * max_tokens, v)
+        adj_sel = kernels.adjust_logits(lg_sel.view(r, max_tokens, v), relu, seen, s.rep,
+                                        self.banned_mask).reshape(r * max_tokens, v)
         pos_sel = positions.gather(1, idx)
         u = self.kernels.counter_uniform(s.seed[:, None].expand(r, max_tokens).reshape(-1), pos_sel.reshape(-1),
                             s.step[:, None].expand(r, max_tokens).reshape(-1))
@@ -184,12 +249,11 @@ class StepRunner:
         if row_len is not None:
             self._store_block_tokens(tokens, idx, tok_sel, valid, s, row_len)
 
-        flat = (rows * BLOCK + idx).reshape(-1)
-        target = logits.view(r * BLOCK, v)[flat, tok_sel.reshape(-1)].float().view(r, max_tokens)
+        target = lg_sel.gather(1, tok_sel.reshape(-1, 1)).float().view(r, max_tokens)
         # One int32 tensor for the single device-to-host copy.
         return layout.pack(positions=pos_sel, tokens=tok_sel, valid=valid, target=target,
-                           known_idx=known_idx[flat], known_logits=known_logits[flat],
-                           disc_idx=disc_idx[flat], disc_logits=disc_logits[flat])
+                           known_idx=heads.known_idx[chosen], known_logits=heads.known_logits[chosen],
+                           disc_idx=heads.disc_idx[chosen], disc_logits=heads.disc_logits[chosen])
 
     def _store_block_tokens(self, tokens: Tensor, idx: Tensor, tok_sel: Tensor, valid: Tensor, s: SamplerInputs,
                             row_len: Tensor) -> None:

@@ -5,7 +5,8 @@ Confidence = max_v softmax(adjust(logits))_v = 1 / sum_v exp(a_v - max a), with 
 sampler's relu suppression, repetition penalty on seen ids and bans
 (`cde.steerling.kernels.adjust_logits`). The compiled elementwise + softmax version
 materialized the adjusted fp32 logits (0.8 GB at 32 rows x 64 positions x 100K) and read them
-three times: ~2 ms of a 70 ms step on an H200. Here one program per position streams its
+three times: ~2 ms of a 70 ms step on an H200 (`kernels.compiled` swaps this kernel in for
+`confidence_at`). Here one program per position streams its
 logits row in `BLOCK_V` chunks with an online max / sum in fp32; the relu and seen rows of the
 position's request are read from the per-slot tables (cached in L2 across the positions of
 one request). Why 1/sum is the reference's value: the largest softmax entry is
@@ -17,6 +18,8 @@ under Triton's interpreter and compiles it for sm_90.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -62,7 +65,7 @@ _JITTED: dict[bool, object] = {}
 
 
 def _kernel():
-    """Jitted lazily per mode (interpreter or compiler), as worker_svc.engine.attention does."""
+    """Jitted lazily per mode (interpreter or compiler), as cde.fused_swiglu does."""
     mode = bool(triton.knobs.runtime.interpret)
     if mode not in _JITTED:
         _JITTED[mode] = triton.jit(_confidence_kernel)
@@ -89,3 +92,14 @@ def row_confidence(logits: Tensor, relu: Tensor, seen: Tensor, banned: Tensor, s
     _kernel()[(n,)](logits, relu, seen_u8, banned_u8, slot.contiguous(), rep.float().contiguous(), out,
                     v, logits.stride(0), relu.stride(0), seen_u8.stride(0), BLOCK=BLOCK_V, num_warps=8)
     return out
+
+
+def dispatching(fallback: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """`kernels.confidence_at`'s signature: the kernel for CUDA half-precision logits, `fallback`
+    (e.g. the compiled function) otherwise."""
+    def run(logits: Tensor, relu_table: Tensor, seen_table: Tensor, slot: Tensor, rep: Tensor,
+            banned: Tensor) -> Tensor:
+        if supported(logits):
+            return row_confidence(logits, relu_table, seen_table, banned, slot, rep)
+        return fallback(logits, relu_table, seen_table, slot, rep, banned)
+    return run
