@@ -17,7 +17,7 @@
 #   bash bench/run_h200.sh train-all       # both bundled models (idlm-small beside steerling-small + its eval)
 #   bash bench/run_h200.sh eval-idlm       # idlm-8b ISD bench, then idlm-small's full evaluation with H200 speed
 #   bash bench/run_h200.sh anchor      # the public reference (bench/anchor_steerling_ref.py)
-#   bash bench/run_h200.sh services    # the whole stack under locust at C=1, 8, 32 beside the engine (wheels: bench/wheels.sh)
+#   bash bench/run_h200.sh services    # the whole stack under locust at C=1, 8, 32 (30 s each) beside the engine (wheels: bench/wheels.sh; carry .whl)
 #
 # `anchor` needs the public `steerling` 0.2.0 package: installed, or its wheel and pydantic's
 # wheels (for the host's CPython) in .whl/ (do not commit them) on a host without a package registry.
