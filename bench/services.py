@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -93,12 +94,18 @@ def summarize_load(lines: list[dict], concurrency: int) -> dict:
     tokens = sum(r["tokens"] for r in ok)
     wall = max(r["end"] for r in ok) - starts[0]
     gaps = [g for r in ok for g in r["gaps_s"]]
+    # after a request's last block: the stream's end (usage chunk, [DONE]) as the client sees it
+    tails = [r["end"] - r["blocks"][-1][0] for r in ok if r["blocks"]]
     return {"tok_per_s": in_window / window if window > 0 else tokens / wall,
             "steady_window_s": window, "tok_per_s_wall": tokens / wall, "wall_s": wall,
             "requests": len(ok), "errors": len(errors), "generated_tokens": tokens,
             "ttfb_s": statistics.median(r["ttfb_s"] for r in ok),
             "ttfb_p90_s": sorted(r["ttfb_s"] for r in ok)[int(0.9 * (len(ok) - 1))],
-            "inter_block_s": statistics.median(gaps) if gaps else None}
+            "ttfb_mean_s": statistics.fmean(r["ttfb_s"] for r in ok),
+            # a closed-loop user's whole cycle: tok/s at C = 1 is tokens / this
+            "request_s_mean": statistics.fmean(r["end"] - r["start"] for r in ok),
+            "inter_block_s": statistics.median(gaps) if gaps else None,
+            "stream_tail_s": statistics.median(tails) if tails else None}
 
 
 def run_locust(base_url: str, concurrency: int, duration: float, events: Path, env: dict, stop_timeout: float) -> None:
@@ -136,12 +143,16 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
             events = work / f"load-c{c}.jsonl"
             run_locust(stack.base_url, c, args.duration, events, env, args.stop_timeout)
             lines = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
+            if args.out:   # the per-request lines beside the JSON, for looking into a figure later
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(events, Path(args.out).with_suffix(f".c{c}.jsonl"))
             r = {"path": "services", "concurrency": c, "prompt_tokens": args.prompt_tokens,
                  "new_tokens": args.new_tokens, "attribution": False, "steering": False, "stride": None,
                  "duration_s": args.duration, **summarize_load(lines, c)}
             runs.append(r)
             print(f"services C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s']:.3f}s  "
-                  f"inter-block {r['inter_block_s'] or 0:.3f}s  requests {r['requests']}", flush=True)
+                  f"inter-block {r['inter_block_s'] or 0:.3f}s  tail {r['stream_tail_s'] or 0:.3f}s  requests {r['requests']}",
+                  flush=True)
     finally:
         stack.stop()
     return runs
