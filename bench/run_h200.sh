@@ -9,6 +9,7 @@
 #   bash bench/run_h200.sh multi-token # Steerling-8B at C=1, 32: k = 1, 2, 4 tokens per step and thresholds 0.9 / 0.7
 #   bash bench/run_h200.sh ablation    # Steerling-8B at C=1, 16 without overlapped steps (what overlap saves)
 #   bash bench/run_h200.sh isd         # I-DLM-8B: ISD N=4 and AR at C=1, 32, 64 vs the 7- and 1-query floors (greedy)
+#   bash bench/run_h200.sh isd-quick   # I-DLM-8B: ISD N=4 and AR at C=1, 32 (greedy), no profile: a check between sweeps
 #   bash bench/run_h200.sh isd-sampled # the same at C=1, 64 with sampled requests (T = 1: draws, verify kernel)
 #   bash bench/run_h200.sh isd-ablation # I-DLM-8B at C=1, 32 without overlapped steps (what overlap saves)
 #   bash bench/run_h200.sh long-context # both engines at 1K/2K/4K context, C=1, 8 vs the floor there; time to first
@@ -65,6 +66,10 @@ case "$stage" in
   isd)
     python3 -m bench.isd --preset idlm-8b --concurrency 1,32,64 --strides 4,1 --profile 1,64 \
       --out "$OUT/isd-idlm-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/isd-idlm-8b-h200-$short.txt" ;;
+  isd-quick)
+    # ISD N=4 and AR at C = 1 and 32 (greedy), no profile: a check between full sweeps
+    python3 -m bench.isd --preset idlm-8b --concurrency 1,32 --strides 4,1 \
+      --out "$OUT/isd-idlm-8b-h200-$short-quick.json" 2>&1 | grep -v Warning | tee "$OUT/isd-idlm-8b-h200-$short-quick.txt" ;;
   isd-sampled)
     python3 -m bench.isd --preset idlm-8b --concurrency 1,64 --strides 4,1 --temperature 1.0 --profile 1,64 \
       --out "$OUT/isd-idlm-8b-h200-$short-sampled.json" 2>&1 | grep -v Warning ;;
