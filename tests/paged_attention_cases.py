@@ -2,7 +2,7 @@
 path they are checked against, shared by tests/test_paged_attention.py,
 tests/test_block_attention.py and the child processes that run the Triton kernels under the CPU
 interpreter (``interpreter_child``, ``block_interpreter_child``, ``split_interpreter_child``) or
-compile them for sm_90 (``sm90_compile_child``)."""
+compile them for sm_90 (``tests.triton_child.sm90_compile_child``)."""
 
 from __future__ import annotations
 
@@ -137,27 +137,3 @@ def split_interpreter_child(seed: int) -> None:
         reports[f"{n_q}x{splits}"] = {"max_abs_err": float((got - want).abs().max()),
                                       "off_by_one_err": float((shifted - want).abs().max())}
     print(json.dumps(reports))
-
-
-def sm90_compile_child(kernels: list[tuple[str, dict]]) -> None:
-    """Compile attention.py's kernels for sm_90 (no GPU needed) with bf16 data pointers,
-    fp32 split partials and i64 tables, through the jitted function's own constexpr parameters:
-    the compiled dialect is stricter than the interpreter."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from worker_svc.engine import attention
-
-    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "kc_ptr": "*bf16",
-             "vc_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "pages_ptr": "*i64",
-             "qpos_ptr": "*i64", "nvis_ptr": "*i64", "page_ptr": "*i64", "scale": "fp32"}
-    report = {}
-    for kernel, consts in kernels:
-        jit = attention._jit(getattr(attention, kernel))
-        names = {p.name for p in jit.params if p.is_constexpr}
-        assert names == set(consts), (kernel, sorted(names), sorted(consts))
-        sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in jit.params}
-        compiled = triton.compile(ASTSource(jit, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-        report[f"{kernel} {consts}"] = sorted(compiled.asm)
-    print(json.dumps(report))

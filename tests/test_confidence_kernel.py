@@ -5,12 +5,11 @@ without a GPU, and on a GPU in bf16."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
-from tests.triton_child import HAS_TRITON, run_child
+from tests.triton_child import HAS_TRITON, assert_compiles_for_sm90, child_report
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
 
@@ -46,37 +45,20 @@ print(json.dumps({"seed": seed, "max_rel_err": rel, "got": got.tolist(), "want":
 @needs_triton
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_confidence_kernel_equals_the_elementwise_pass_under_the_interpreter(dtype, seed):
-    proc = run_child(f"import sys; sys.argv = ['x', '{seed}', 'cpu', '{dtype}']\n" + CHILD, interpret=True)
-    assert proc.returncode == 0, f"seed {seed}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = child_report(CHILD, interpret=True, argv=(seed, "cpu", dtype))
     # both sum ~5,000 fp32 terms in different orders: a few ulps of the sum
     assert report["max_rel_err"] < 1e-5, report
 
 
 @needs_triton
 def test_confidence_kernel_compiles_for_sm90():
-    code = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from cde.steerling.confidence_kernel import _kernel, BLOCK_V
-jit = _kernel()
-ptrs = {"logits_ptr": "*bf16", "relu_ptr": "*fp32", "seen_ptr": "*u8", "banned_ptr": "*u8", "slot_ptr": "*i64",
-        "rep_ptr": "*fp32", "out_ptr": "*fp32"}
-consts = {"BLOCK": BLOCK_V}
-sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "i32") for p in jit.params}
-k = triton.compile(ASTSource(jit, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-print(sorted(k.asm))
-"""
-    proc = run_child(code, interpret=False)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    assert "cubin" in proc.stdout, proc.stdout
+    assert_compiles_for_sm90([("cde.steerling.confidence_kernel", "_confidence_kernel", {"BLOCK": 2048})],
+                             {"logits_ptr": "*bf16", "relu_ptr": "*fp32", "seen_ptr": "*u8", "banned_ptr": "*u8",
+                              "slot_ptr": "*i64", "rep_ptr": "*fp32", "out_ptr": "*fp32"})
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and CUDA")
 def test_confidence_kernel_on_the_gpu(seed):
-    proc = run_child(f"import sys; sys.argv = ['x', '{seed}', 'cuda', 'bfloat16']\n" + CHILD, interpret=False)
-    assert proc.returncode == 0, f"seed {seed}\nstderr:\n{proc.stderr[-6000:]}"
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = child_report(CHILD, interpret=False, argv=(seed, "cuda", "bfloat16"))
     assert report["max_rel_err"] < 1e-5, report

@@ -3,12 +3,11 @@ under Triton's CPU interpreter, compiled for sm_90 without a GPU, and on a GPU i
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
-from tests.triton_child import HAS_TRITON, run_child
+from tests.triton_child import HAS_TRITON, assert_compiles_for_sm90, child_report
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
 
@@ -30,9 +29,7 @@ print(json.dumps({"seed": seed, "shape": list(got.shape), "max_ulps": float(((go
 @needs_triton
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_swiglu_equals_eager_under_the_interpreter(dtype, seed):
-    proc = run_child(f"import sys; sys.argv = ['x', '{seed}', 'cpu', '{dtype}']\n" + CHILD, interpret=True)
-    assert proc.returncode == 0, f"seed {seed}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = child_report(CHILD, interpret=True, argv=(seed, "cpu", dtype))
     assert report["shape"] == [3, 5, 1300], report
     # exp differs from libm's by an ulp or so; in bf16 that can flip silu's rounding by one ulp,
     # which the product's rounding can turn into two
@@ -41,27 +38,12 @@ def test_fused_swiglu_equals_eager_under_the_interpreter(dtype, seed):
 
 @needs_triton
 def test_fused_swiglu_compiles_for_sm90():
-    code = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from cde.fused_swiglu import _kernel, BLOCK
-jit = _kernel()
-consts = {"UP_FIRST": True, "BLOCK": BLOCK}
-sig = {p.name: "constexpr" if p.name in consts else {"h_ptr": "*bf16", "out_ptr": "*bf16"}.get(p.name, "i32")
-       for p in jit.params}
-k = triton.compile(ASTSource(jit, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-print(sorted(k.asm))
-"""
-    proc = run_child(code, interpret=False)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    assert "cubin" in proc.stdout, proc.stdout
+    assert_compiles_for_sm90([("cde.fused_swiglu", "_swiglu_kernel", {"UP_FIRST": up_first, "BLOCK": 1024})
+                              for up_first in (True, False)], {"h_ptr": "*bf16", "out_ptr": "*bf16"})
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and CUDA")
 def test_fused_swiglu_on_the_gpu(seed):
-    proc = run_child(f"import sys; sys.argv = ['x', '{seed}', 'cuda', 'bfloat16']\n" + CHILD, interpret=False)
-    assert proc.returncode == 0, f"seed {seed}\nstderr:\n{proc.stderr[-6000:]}"
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = child_report(CHILD, interpret=False, argv=(seed, "cuda", "bfloat16"))
     assert report["max_ulps"] <= 2.0, report
