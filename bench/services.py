@@ -108,6 +108,18 @@ def summarize_load(lines: list[dict], concurrency: int) -> dict:
             "stream_tail_s": statistics.median(tails) if tails else None}
 
 
+def worker_status(port: int):
+    """The worker's Info (steps, compiles, CUDA graphs captured so far), over loopback gRPC."""
+    import grpc
+
+    from cde.rpc.internal_auth import token_metadata
+    from cde.rpc.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.WorkerStatusRequest(), timeout=10,
+                                                  metadata=token_metadata())
+
+
 def run_locust(base_url: str, concurrency: int, duration: float, events: Path, env: dict, stop_timeout: float) -> None:
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", str(concurrency),
            "-r", str(concurrency), "-t", f"{duration:g}s", "--stop-timeout", f"{stop_timeout:g}",
@@ -139,19 +151,26 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
         print(f"services warm-up {time.perf_counter() - t:.0f} s", flush=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", CDE_LOAD_PROMPT_TOKENS=str(args.prompt_tokens),
                    CDE_LOAD_MAX_TOKENS=str(args.new_tokens), CDE_LOAD_TOKEN_BOUND=str(bound))
+        worker_port = next(svc.grpc_port for svc in stack.services if svc.name.startswith("worker"))
         for c in concs:
             events = work / f"load-c{c}.jsonl"
+            before = worker_status(worker_port)
             run_locust(stack.base_url, c, args.duration, events, env, args.stop_timeout)
+            after = worker_status(worker_port)
             lines = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
             if args.out:   # the per-request lines beside the JSON, for looking into a figure later
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(events, Path(args.out).with_suffix(f".c{c}.jsonl"))
             r = {"path": "services", "concurrency": c, "prompt_tokens": args.prompt_tokens,
                  "new_tokens": args.new_tokens, "attribution": False, "steering": False, "stride": None,
-                 "duration_s": args.duration, **summarize_load(lines, c)}
+                 "duration_s": args.duration, **summarize_load(lines, c),
+                 # shape buckets the warm-up did not capture: each costs a capture inside the run
+                 "worker_graph_captures": after.graphs - before.graphs,
+                 "worker_recompiles": after.compiles - before.compiles, "worker_steps": after.steps - before.steps}
             runs.append(r)
             print(f"services C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s']:.3f}s  "
-                  f"inter-block {r['inter_block_s'] or 0:.3f}s  tail {r['stream_tail_s'] or 0:.3f}s  requests {r['requests']}",
+                  f"inter-block {r['inter_block_s'] or 0:.3f}s  tail {r['stream_tail_s'] or 0:.3f}s  requests {r['requests']}"
+                  f"  worker graph captures {r['worker_graph_captures']} recompiles {r['worker_recompiles']}",
                   flush=True)
     finally:
         stack.stop()

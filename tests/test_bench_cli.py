@@ -107,7 +107,11 @@ def test_services_bench_runs_the_stack_and_the_engine(tmp_path):
     for r in d["runs"]:
         assert r["tok_per_s"] > 0 and r["ttfb_s"] > 0 and r["inter_block_s"] > 0, r   # 128 tokens: two blocks
         assert r["generated_tokens"] > 0, r
-    assert all(r["errors"] == 0 and r["requests"] >= r["concurrency"] for r in d["runs"] if r["path"] == "services")
+    services = [r for r in d["runs"] if r["path"] == "services"]
+    assert all(r["errors"] == 0 and r["requests"] >= r["concurrency"] for r in services), services
+    # the worker's own counters over each load: it stepped, and on the CPU nothing is captured or recompiled
+    assert all(r["worker_steps"] > 0 and r["worker_graph_captures"] == 0 and r["worker_recompiles"] == 0
+               for r in services), services
     assert set(d["ratios"]) == {"1", "2"} and all(v["tok_per_s"] > 0 for v in d["ratios"].values()), d["ratios"]
 
 
