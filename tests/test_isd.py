@@ -41,6 +41,7 @@ import torch
 
 from cde.isd.decoder import (STREAM_ACCEPT, STREAM_PROPOSAL, STREAM_RESID, STREAM_SAMPLE, draw, generate_ar,
                              generate_ar_batch, generate_isd, generate_isd_batch, keep_mask)
+from cde.isd.distribution import pooled_chi_square
 from cde.isd.toy import lag_model
 from cde.isd.verify import verify_reference, verify_torch
 from cde.qwen3.config import Qwen3Config, preset
@@ -272,20 +273,9 @@ def exact_distribution(model: Qwen3Model, temperature: float, top_k: int = 0,
 
 def chi_square(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], float],
                n: int) -> tuple[float, int, float, float]:
-    """Pearson chi-square, least likely cells pooled until the pool expects >= 5: (stat, df, p, TV)."""
+    """`pooled_chi_square`, with a sample outside the exact support failing at once by name."""
     assert set(counts) <= set(exact), f"impossible sequences sampled: {sorted(set(counts) - set(exact))[:5]}"
-    keys = sorted(exact, key=exact.get)
-    e = torch.tensor([exact[k] * n for k in keys], dtype=torch.float64)
-    o = torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64)
-    cut = int(torch.searchsorted(torch.cumsum(e, 0), torch.tensor(5.0, dtype=torch.float64))) + 1
-    e = torch.cat([e[:cut].sum()[None], e[cut:]])
-    o = torch.cat([o[:cut].sum()[None], o[cut:]])
-    stat = float(((o - e) ** 2 / e).sum())
-    df = len(e) - 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                      torch.tensor(stat / 2, dtype=torch.float64)))
-    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact[k]) for k in exact)
-    return stat, df, p, tv
+    return pooled_chi_square(counts, exact, n)
 
 
 def sample_counts(model: Qwen3Model, stride: int | None, temperature: float, seed: int, top_k: int = 0,

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from cde.isd.decoder import generate_ar_batch, generate_isd_batch, keep_mask
+from cde.isd.distribution import pooled_chi_square
 from cde.qwen3.chat import load_chat_tokenizer
 from cde.qwen3.loading import load_lora, load_qwen3
 from cde.qwen3.model import Qwen3Model, masked_attend
@@ -215,26 +216,6 @@ def exact_ar_distribution(model: Qwen3Model, prompt: list[int], new_tokens: int,
     return joint
 
 
-def chi_square(counts: dict, exact: dict, n: int) -> tuple[float, int, float, float]:
-    """Pearson chi-square, least likely cells pooled until the pool expects >= 5: (stat, df, p, TV).
-    A sampled sequence outside the exact distribution's support gives p = 0 at once."""
-    impossible = set(counts) - set(exact)
-    if impossible:
-        return float("inf"), 0, 0.0, 1.0
-    keys = sorted(exact, key=exact.get)
-    e = torch.tensor([exact[k] * n for k in keys], dtype=torch.float64)
-    o = torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64)
-    cut = int(torch.searchsorted(torch.cumsum(e, 0), torch.tensor(5.0, dtype=torch.float64))) + 1
-    e = torch.cat([e[:cut].sum()[None], e[cut:]])
-    o = torch.cat([o[:cut].sum()[None], o[cut:]])
-    stat = float(((o - e) ** 2 / e).sum())
-    df = len(e) - 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                      torch.tensor(stat / 2, dtype=torch.float64)))
-    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact[k]) for k in exact)
-    return stat, df, p, tv
-
-
 def risd_distribution_test(risd: Qwen3Model, prompt: list[int], runs: int, seed: int, stride: int = 4,
                            new_tokens: int = 4, temperature: float = 1.0, top_k: int = 4) -> dict:
     exact = exact_ar_distribution(risd, prompt, new_tokens, temperature, top_k)
@@ -247,7 +228,7 @@ def risd_distribution_test(risd: Qwen3Model, prompt: list[int], runs: int, seed:
         for g in gens:
             key = tuple(g.tokens[:new_tokens])
             counts[key] = counts.get(key, 0) + 1
-        stat, df, p, tv = chi_square(counts, exact, runs)
+        stat, df, p, tv = pooled_chi_square(counts, exact, runs)
         prop = sum(g.stats.proposed for g in gens)
         impossible = sum(c for k, c in counts.items() if k not in exact)
         out[label] = {"chi2": stat, "df": df, "p_value": p, "total_variation": tv,
