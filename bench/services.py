@@ -15,9 +15,12 @@
    users are running (from the C-th request's start to the last request's start).
 4. Stops the stack, then runs the engine in this process (bench.steerling.run_once, the same
    model sizes, prompt length and new tokens, steering/attribution off like the requests) at
-   the same concurrencies, the median of --engine-repeats runs after warm-up.
-5. Writes one JSON (docs/BENCHMARKS.md): runs with `path` "services" | "engine", and per C
-   the ratios services/engine of tok/s and inter-block latency and the time to first block
+   the same concurrencies, the median of --engine-repeats runs after warm-up; then the same
+   engine under the services' traffic shape ("engine-closed-loop": C users resubmitting as soon
+   as a request finishes, for --duration s), with the CUDA graphs it had to capture.
+5. Writes one JSON (docs/BENCHMARKS.md): runs with `path` "services" | "engine" |
+   "engine-closed-loop", and per C the ratios services/engine of tok/s and inter-block latency,
+   the time to first block the services add, and the same against the closed-loop engine
    the services add.
 """
 
@@ -43,7 +46,9 @@ from cde.launch import ROOT, Stack
 from cde.steerling.config import SteerlingConfig, preset
 from cde.steerling.random_weights import write_benchmark_model_dir
 from cde.steerling.tokenizer import BPE_ENV_VAR
-from worker_svc.engine.steerling_engine import SteerlingEngine
+from cde.steerling.reference_decoder import DecodeOptions
+from cde.steerling.sampling import SamplingParams
+from worker_svc.engine.steerling_engine import BlockEvent, FinishEvent, SteerlingEngine
 
 LOCUSTFILE = ROOT / "bench" / "locust_sse.py"
 BPE_FILE = "cl100k_base.tiktoken"
@@ -177,6 +182,48 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
     return runs
 
 
+def closed_loop(engine: SteerlingEngine, concurrency: int, duration: float, prompt_tokens: int, new_tokens: int,
+                bound: int, seed: int) -> list[dict]:
+    """The in-process engine under the services run's traffic shape: `concurrency` users, each
+    submitting its next request the moment its last one finishes, for `duration` s (then the
+    requests in flight finish). One line per request in bench/locust_sse.py's format, so
+    `summarize_load` reads both the same way."""
+    rng = torch.Generator().manual_seed(seed)
+    lines: list[dict] = []
+    live: dict[int, tuple] = {}
+    n = 0
+
+    def submit(user: int) -> None:
+        nonlocal n
+        prompt = torch.randint(0, bound, (prompt_tokens,), generator=rng).tolist()
+        handle = engine.submit(f"loop-{seed}-{n}", prompt, DecodeOptions(new_tokens, SamplingParams(), seed=seed * 7919 + n))
+        live[user] = (handle, time.time(), time.perf_counter(), [])
+        n += 1
+
+    engine.want_records = False
+    for u in range(concurrency):
+        submit(u)
+    end_at = time.perf_counter() + duration
+    while live:
+        engine.step()
+        now = time.perf_counter()
+        for u, (h, start, t0, blocks) in list(live.items()):
+            for ev in engine.drain(h):
+                if isinstance(ev, BlockEvent):
+                    blocks.append((now, len(ev.tokens)))
+                elif isinstance(ev, FinishEvent):
+                    stamps = [t for t, _ in blocks]
+                    lines.append({"start": start, "end": start + (now - t0),
+                                  "ttfb_s": stamps[0] - t0 if stamps else None,
+                                  "gaps_s": [b - a for a, b in zip(stamps, stamps[1:])],
+                                  "blocks": [[start + (t - t0), k] for t, k in blocks],
+                                  "tokens": sum(k for _, k in blocks), "ok": bool(stamps), "error": None})
+                    del live[u]
+                    if now < end_at:
+                        submit(u)
+    return lines
+
+
 def engine_runs(args, cfg: SteerlingConfig, concs: list[int], bound: int) -> list[dict]:
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -197,6 +244,19 @@ def engine_runs(args, cfg: SteerlingConfig, concs: list[int], bound: int) -> lis
         runs.append(r)
         print(f"engine   C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s'] or 0:.3f}s  "
               f"inter-block {r['inter_block_s'] or 0:.3f}s", flush=True)
+    # the same engine under the services' closed-loop arrivals (requests out of phase: other row
+    # and head buckets, some of which the lockstep runs above never captured)
+    for c in concs:
+        g0, c0 = engine.stats().graphs, engine.compiles
+        lines = closed_loop(engine, c, args.duration, args.prompt_tokens, args.new_tokens, bound, args.seed + c)
+        r = {"path": "engine-closed-loop", "concurrency": c, "prompt_tokens": args.prompt_tokens,
+             "new_tokens": args.new_tokens, "attribution": False, "steering": False, "stride": None,
+             "duration_s": args.duration, **summarize_load(lines, c),
+             "graph_captures": engine.stats().graphs - g0, "recompiles": engine.compiles - c0}
+        runs.append(r)
+        print(f"engine closed loop C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s']:.3f}s  "
+              f"inter-block {r['inter_block_s'] or 0:.3f}s  requests {r['requests']}  graph captures "
+              f"{r['graph_captures']}", flush=True)
     return runs
 
 
@@ -212,6 +272,10 @@ def ratios(runs: list[dict]) -> dict:
                        "ttfb_added_s": s["ttfb_s"] - e["ttfb_s"],
                        "inter_block": (s["inter_block_s"] / e["inter_block_s"]
                                        if s["inter_block_s"] and e["inter_block_s"] else None)}
+        loop = by.get(("engine-closed-loop", c))
+        if loop is not None:   # the stack's own cost, the traffic shape being the same
+            out[str(c)].update(tok_per_s_vs_closed_loop=s["tok_per_s"] / loop["tok_per_s"],
+                               ttfb_added_vs_closed_loop_s=s["ttfb_s"] - loop["ttfb_s"])
     return out
 
 

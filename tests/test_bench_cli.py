@@ -98,12 +98,18 @@ def test_long_context_isd(tmp_path):
 @pytest.mark.e2e
 def test_services_bench_runs_the_stack_and_the_engine(tmp_path):
     """bench.services end to end on the CPU: a tiny benchmark model directory, the whole stack as
-    processes on loopback under locust, then the in-process engine; both paths at each C."""
+    processes on loopback under locust, then the in-process engine (lockstep and closed loop); every
+    path at each C."""
     d = _run("bench.services", tmp_path / "svc.json", "--concurrency", "1,2", "--duration", "4", "--new-tokens", "128",
              "--engine-repeats", "1", "--stop-timeout", "60")
     assert {"commit", "gpu", "preset", "command", "runs", "ratios", "aims"} <= set(d)
     got = sorted((r["path"], r["concurrency"]) for r in d["runs"])
-    assert got == [("engine", 1), ("engine", 2), ("services", 1), ("services", 2)], got
+    assert got == [("engine", 1), ("engine", 2), ("engine-closed-loop", 1), ("engine-closed-loop", 2),
+                   ("services", 1), ("services", 2)], got
+    # the closed-loop engine kept C users busy (a request each at least) and resubmitted on finish
+    loops = [r for r in d["runs"] if r["path"] == "engine-closed-loop"]
+    assert all(r["requests"] > r["concurrency"] and r["graph_captures"] == 0 for r in loops), loops
+    assert all("tok_per_s_vs_closed_loop" in v for v in d["ratios"].values()), d["ratios"]
     for r in d["runs"]:
         assert r["tok_per_s"] > 0 and r["ttfb_s"] > 0 and r["inter_block_s"] > 0, r   # 128 tokens: two blocks
         assert r["generated_tokens"] > 0, r
