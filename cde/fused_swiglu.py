@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from cde.lazy_jit import jit
+
 try:
     import triton
     import triton.language as tl
@@ -37,15 +39,8 @@ def _swiglu_kernel(h_ptr, out_ptr, s_h, s_out, F, UP_FIRST: tl.constexpr, BLOCK:
     tl.store(out_ptr + row * s_out + cols, (silu * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-_JITTED: dict[bool, object] = {}
-
-
 def _kernel():
-    """Jitted lazily per mode (Triton's CPU interpreter or the compiler)."""
-    mode = bool(triton.knobs.runtime.interpret)
-    if mode not in _JITTED:
-        _JITTED[mode] = triton.jit(_swiglu_kernel)
-    return _JITTED[mode]
+    return jit(_swiglu_kernel)
 
 
 def supported(h: Tensor) -> bool:

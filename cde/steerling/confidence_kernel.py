@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from cde.lazy_jit import jit
+
 try:
     import triton
     import triton.language as tl
@@ -61,15 +63,8 @@ def _confidence_kernel(logits_ptr, relu_ptr, seen_ptr, banned_ptr, slot_ptr, rep
     tl.store(out_ptr + n, 1.0 / total)
 
 
-_JITTED: dict[bool, object] = {}
-
-
 def _kernel():
-    """Jitted lazily per mode (interpreter or compiler), as cde.fused_swiglu does."""
-    mode = bool(triton.knobs.runtime.interpret)
-    if mode not in _JITTED:
-        _JITTED[mode] = triton.jit(_confidence_kernel)
-    return _JITTED[mode]
+    return jit(_confidence_kernel)
 
 
 def supported(logits: Tensor) -> bool:

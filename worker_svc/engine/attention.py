@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cde.lazy_jit import jit
 from worker_svc.engine.kv_cache import KVCache
 
 MAX_QUERIES = 8
@@ -60,7 +61,7 @@ except ImportError:   # CPU installs without Triton: the runner keeps gather + S
     triton = None
 
 
-# ---- Triton kernels (plain functions, jitted lazily per interpreter mode by `_jit`) -------------
+# ---- Triton kernels (plain functions, jitted lazily per interpreter mode by `cde.lazy_jit.jit`) -------------
 
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, qpos_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
                             sq_r, sq_h, sq_t, sk_p, sk_t, sk_h, sp_r, sqp_r, so_r, so_t, so_h,
@@ -201,20 +202,8 @@ def _write_block_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, page_ptr, sk_r, sk_h, s
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty))
 
 
-_JITTED: dict[tuple[str, bool], object] = {}
-
-
-def _jit(fn):
-    """Jitted lazily, per mode: `triton.jit` picks the CPU interpreter (TRITON_INTERPRET=1)
-    or the compiler when it wraps the function."""
-    key = (fn.__name__, bool(triton.knobs.runtime.interpret))
-    if key not in _JITTED:
-        _JITTED[key] = triton.jit(fn)
-    return _JITTED[key]
-
-
 def _kernel():
-    return _jit(_paged_attention_kernel)
+    return jit(_paged_attention_kernel)
 
 
 # ---- splits (flash-decoding) ------------------------------------------------------------------
@@ -253,7 +242,7 @@ def _partials(rows: int, n_h: int, splits: int, n_q: int, d: int, device) -> tup
 
 def _merge(partials: tuple[Tensor, Tensor, Tensor], out: Tensor, splits: int) -> None:
     r, n_q, n_h, d = out.shape
-    _jit(_merge_splits_kernel)[(r, n_h)](*partials, out, out.stride(0), out.stride(1), out.stride(2), n_h, n_q,
+    jit(_merge_splits_kernel)[(r, n_h)](*partials, out, out.stride(0), out.stride(1), out.stride(2), n_h, n_q,
                                          SPLITS=splits, BLOCK_T=triton.next_power_of_2(n_q), D=d)
 
 
@@ -309,7 +298,7 @@ def write_block_kv(k_pool: Tensor, v_pool: Tensor, write_page: Tensor, k: Tensor
     """Row r's block K/V (R, KV, 64, D) into page write_page[r] of the pool, one launch."""
     r, n_kv, page, d = k.shape
     assert k.stride(3) == 1 and v.stride(3) == 1 and k_pool.stride(3) == 1 and k_pool.stride() == v_pool.stride()
-    _jit(_write_block_kv_kernel)[(r, n_kv)](k, v, k_pool, v_pool, write_page.contiguous(),
+    jit(_write_block_kv_kernel)[(r, n_kv)](k, v, k_pool, v_pool, write_page.contiguous(),
                                             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                                             v.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
                                             D=d, PAGE=page)
@@ -335,7 +324,7 @@ def block_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor, n_
     partials = _partials(r, n_h, splits, n_q, d, q.device)
     # fp32 inputs only under the interpreter (tests): exact products there
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _jit(_block_attention_kernel)[(r, n_h, splits)](
+    jit(_block_attention_kernel)[(r, n_h, splits)](
         q, k_pool, v_pool, pages, n_visible, out, *partials,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         pages.stride(0), out.stride(0), out.stride(1), out.stride(2),

@@ -19,7 +19,8 @@ chosen positions, tokens and raw concept records.
 Concept heads run only on the positions that need them (steerling_runner.py): the host bounds,
 per decode row, the masked positions the row has at this step (exact for a step built from the
 host's tokens; for an overlapped step, masks left - min(tokens_per_step, masks left), since the
-step in flight commits exactly that many), buckets their sum N into HB head rows
+step in flight commits exactly that many, or masks left - 1 for a confidence-threshold row, which
+commits at least one), buckets their sum N into HB head rows
 (`head_bucket`: HB >= N, never 1) and the device compacts those positions' hidden states into HB
 rows. When a step's results are applied the host checks that each live row really had at most
 its bound (`_apply`), so a wrong bound fails loudly instead of silently dropping a candidate.
@@ -287,7 +288,8 @@ class SteerlingEngine(EngineRuntime):
                 fwd.from_table[i] = True
                 ahead = 1
                 # the step before commits min(tokens_per_step, left) tokens; a threshold row at least one
-                committed_least = 1 if req.options.confidence_threshold is not None else min(req.options.tokens_per_step, left)
+                committed_least = (1 if req.options.confidence_threshold is not None
+                                   else min(req.options.tokens_per_step, left))
             else:
                 fwd.tokens[i, : end - start] = req.seq[start:end]
             smp.heads[i] = left - committed_least   # masks the row has at this step, at most
@@ -298,8 +300,7 @@ class SteerlingEngine(EngineRuntime):
             fwd.steer_slot[i] = req.slot
             if req.steering is not None and is_decode:
                 st = req.steering
-                fwd.alpha[i] = (self._alpha_ahead(req, min(req.options.tokens_per_step,
-                                                             req.seq[start:end].count(cfg.mask_id)))
+                fwd.alpha[i] = (self._alpha_ahead(req, min(req.options.tokens_per_step, left))
                                 if overlapped else
                                 resolve_alpha(st.schedule, st.base_alpha, req.committed, st.cutoff_tokens))
                 fwd.inject_layer[i] = st.inject_layer
