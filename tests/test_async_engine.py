@@ -51,3 +51,36 @@ def test_concurrent_streams_match_reference_and_close_cancels():
         assert engine.stats().pages_used == 0
     finally:
         front.stop()
+
+
+def test_a_request_without_step_streaming_gets_only_blocks_with_the_same_step_counter():
+    """stream_steps=False (what a served request that nobody watches denoise asks for) drops the
+    per-step events; its blocks carry the step counter a resumed request continues from, equal
+    to what the step events would have said, and the same tokens."""
+    model = SteerlingModel(TINY).init_random(12, std=0.05).to(torch.float64).eval()
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
+    front = AsyncEngine(engine)
+    front.start()
+
+    async def collect(rid, stream_steps):
+        return [e async for e in front.generate(rid, list(range(30)), DecodeOptions(150, seed=4),
+                                                stream_steps=stream_steps)]
+
+    async def main():
+        return await asyncio.gather(collect("steps", True), collect("blocks", False))
+
+    try:
+        with_steps, blocks_only = asyncio.run(main())
+    finally:
+        front.stop()
+    assert not any(isinstance(e, StepEvent) for e in blocks_only)
+    want = [(e.block, e.tokens, e.next_step) for e in with_steps if isinstance(e, BlockEvent)]
+    got = [(e.block, e.tokens, e.next_step) for e in blocks_only if isinstance(e, BlockEvent)]
+    assert got == want and len(got) >= 2
+    last_step = 0
+    for e in with_steps:   # a block's counter is the one after its last step
+        if isinstance(e, StepEvent):
+            last_step = e.step
+        elif isinstance(e, BlockEvent):
+            assert e.next_step == last_step + 1, (e.block, e.next_step, last_step)
+    assert blocks_only[-1].output_tokens == with_steps[-1].output_tokens

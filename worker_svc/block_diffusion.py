@@ -142,20 +142,15 @@ class BlockDiffusionFamily:
         return already_finished(job, self.cfg)
 
     def translator(self, job: Job) -> EventTranslator:
-        next_step = job.next_step
         engine = self.engine
 
         def translate(ev) -> list[worker_pb2.WorkerEvent]:
-            nonlocal next_step
-            if isinstance(ev, StepEvent):
-                next_step = ev.step + 1
-                if not job.stream_steps:
-                    return []
+            if isinstance(ev, StepEvent):   # only a request with stream_steps gets them (Job.stream_steps)
                 return [worker_pb2.WorkerEvent(step=common_pb2.StepEvent(
                     step=ev.step, block_index=ev.positions[0] // BLOCK, positions=ev.positions, tokens=ev.tokens))]
             if isinstance(ev, BlockEvent):
                 return [worker_pb2.WorkerEvent(block=common_pb2.BlockCommitted(
-                    block_index=ev.block, start=ev.start, tokens=ev.tokens, next_step=next_step, last=ev.last,
+                    block_index=ev.block, start=ev.start, tokens=ev.tokens, next_step=ev.next_step, last=ev.last,
                     records=raw_records(ev.records, engine.topk_known, engine.topk_discovered)))]
             if isinstance(ev, FinishEvent):
                 return [worker_pb2.WorkerEvent(finished=common_pb2.Finished(

@@ -48,7 +48,8 @@ class AsyncEngine:
         return ok
 
     async def generate(self, request_id: str, prompt: list[int], options: Any, steering: Any = None,
-                       committed: list[int] | None = None, next_step: int = 0) -> AsyncIterator[Event]:
+                       committed: list[int] | None = None, next_step: int = 0,
+                       stream_steps: bool = True) -> AsyncIterator[Event]:
         """Submit and stream the request's events, ending with its FinishEvent. `options` (and
         `steering`) are the engine's own: DecodeOptions / PreparedSteering for SteerlingEngine,
         IsdOptions (no steering) for IsdEngine."""
@@ -56,7 +57,7 @@ class AsyncEngine:
             raise RuntimeError(f"engine failed: {self.error!r}")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        req = self.engine.submit(request_id, prompt, options, steering, committed, next_step)
+        req = self.engine.submit(request_id, prompt, options, steering, committed, next_step, stream_steps)
         self._streams[request_id] = (req, queue, loop)
         with self._wake:
             self._wake.notify_all()
@@ -92,6 +93,21 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
 
     def _dispatch(self) -> None:
-        for request_id, (req, queue, loop) in list(self._streams.items()):
-            while req.events:
-                loop.call_soon_threadsafe(queue.put_nowait, req.events.popleft())
+        """Hand this step's events to their streams: one wake-up of each event loop per step that
+        has any (not one per event: each is a write to the loop's self-pipe and a turn of the loop,
+        taken with the GIL the step thread needs for the next step's launch)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for req, queue, loop in list(self._streams.values()):
+            if req.events:
+                events = []
+                while req.events:
+                    events.append(req.events.popleft())
+                batches.setdefault(loop, []).append((queue, events))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, list]]) -> None:
+    for queue, events in batch:
+        for event in events:
+            queue.put_nowait(event)

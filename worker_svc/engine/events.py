@@ -1,6 +1,7 @@
 """What the engines report per request (queued on `req.events`, drained by AsyncEngine).
 
-Block diffusion (SteerlingEngine): StepEvent per step, BlockEvent when a block closes.
+Block diffusion (SteerlingEngine): StepEvent per step (unless the request opted out),
+BlockEvent when a block closes.
 Causal ISD (IsdEngine): IsdCommitEvent per step that accepted tokens. Both end with a
 FinishEvent (IsdFinishEvent adds the reference decoder's counters).
 """
@@ -30,6 +31,7 @@ class BlockEvent:
     tokens: list[int]          # sequence[start:end] when the block closed
     records: RawRecords | None
     last: bool = False         # the request finishes with this block
+    next_step: int = 0         # the request's step counter after the block (resumes it elsewhere)
 
 
 @dataclass

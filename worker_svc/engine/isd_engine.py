@@ -308,10 +308,10 @@ class IsdEngine(EngineRuntime):
 
     # ---- public API -----------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], options: IsdOptions, steering=None,
-               committed: list[int] | None = None, next_step: int = 0) -> IsdRequest:
+               committed: list[int] | None = None, next_step: int = 0, stream_steps: bool = True) -> IsdRequest:
         """Queue a request. ``committed`` (tokens already generated elsewhere) and ``next_step`` (the
         logical forward count of the IsdCommitEvent they end at) resume it; exact when that event
-        was ``resumable``."""
+        was ``resumable``. ``stream_steps`` changes nothing here: every IsdCommitEvent carries tokens."""
         if steering is not None:
             raise ValueError("steering is not supported by the ISD engine")
         if not prompt:

@@ -111,8 +111,9 @@ class DecodeStrategy(ABC):
     # ---- requests ----------------------------------------------------------------------------
     @abstractmethod
     def submit(self, request_id: str, prompt: list[int], options: Any, steering: Any = None,
-               committed: list[int] | None = None, next_step: int = 0) -> TrackedRequest:
-        """Queue a request; `committed` and `next_step` resume one that stopped elsewhere."""
+               committed: list[int] | None = None, next_step: int = 0, stream_steps: bool = True) -> TrackedRequest:
+        """Queue a request; `committed` and `next_step` resume one that stopped elsewhere;
+        stream_steps=False drops the events only a live view of every step needs."""
 
     @abstractmethod
     def warmup(self, max_rows: int = 4, max_new_tokens: int = 8) -> None:

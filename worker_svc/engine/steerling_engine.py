@@ -82,6 +82,7 @@ class BlockRequest(TrackedRequest):
     committed: int = 0
     block_records: list = field(default_factory=list)
     pending_commit: bool = False     # active block finished; write its final K/V next step
+    stream_steps: bool = True        # a StepEvent per step (else only blocks and the finish)
 
     def block_range(self, b: int) -> tuple[int, int]:
         return b * BLOCK, min((b + 1) * BLOCK, self.gen_end)
@@ -136,9 +137,11 @@ class SteerlingEngine(EngineRuntime):
     # ---- public API -----------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], options: DecodeOptions,
                steering: PreparedSteering | None = None, committed: list[int] | None = None,
-               next_step: int = 0) -> BlockRequest:
+               next_step: int = 0, stream_steps: bool = True) -> BlockRequest:
         """Queue a request. `committed` (whole blocks already generated elsewhere, e.g. by a
-        worker that died) and `next_step` resume it exactly where it stopped."""
+        worker that died) and `next_step` resume it exactly where it stopped. stream_steps=False:
+        no StepEvent per step (a served request that nobody watches denoise: its stream then wakes
+        only per block, see worker_svc/engine/async_engine.py)."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         gen_end = len(prompt) + options.max_new_tokens
@@ -153,7 +156,7 @@ class SteerlingEngine(EngineRuntime):
         return self._queue(BlockRequest(request_id=request_id, prompt=list(prompt), options=options,
                                         steering=steering, seq=seq, gen_end=gen_end,
                                         active=(len(prompt) + len(committed)) // BLOCK, committed=len(committed),
-                                        step=next_step))
+                                        step=next_step, stream_steps=stream_steps))
 
     def warmup(self, max_rows: int = 4, max_new_tokens: int = 70) -> None:
         """Compile (and, on GPU, capture) the step for the shapes traffic will use, before SERVING.
@@ -371,7 +374,8 @@ class SteerlingEngine(EngineRuntime):
             for p, t in zip(positions, toks):
                 req.seq[p] = t
             req.committed += len(toks)
-            req.events.append(StepEvent(req.request_id, req.step, positions, toks))
+            if req.stream_steps:
+                req.events.append(StepEvent(req.request_id, req.step, positions, toks))
             if res.known_idx is not None:
                 # numpy pieces in RawRecords field order; one RawRecords per block when it closes
                 # (torch.from_numpy per step and field costs more than the rest of this loop)
@@ -401,7 +405,8 @@ class SteerlingEngine(EngineRuntime):
         stops = terminal_ids(self.cfg, req.options)
         reason = ("stop" if eot or any(t in stops for t in req.seq[len(req.prompt):end])
                   else "length" if end >= req.gen_end else None)
-        req.events.append(BlockEvent(req.request_id, b, first, end, req.seq[first:end], records, reason is not None))
+        req.events.append(BlockEvent(req.request_id, b, first, end, req.seq[first:end], records, reason is not None,
+                                     next_step=req.step))
         if reason is not None:
             self.table.finish(req, reason)
         else:
