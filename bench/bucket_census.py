@@ -8,9 +8,10 @@ buckets are host-side decisions).
 2. Closed loop: C users whose first requests arrive a few steps apart, each submitting its
    next request the step its last one finishes (what locust's users do through the services),
    for --steps steps.
-Prints and writes the distinct (rows, pages, tokens per step, head rows) keys of each and the
-closed-loop keys the lockstep run never used: with CUDA graphs each of those is a capture
-while serving, unless a warm-up covered it.
+Prints and writes the distinct CUDA-graph keys of each (`steerling_engine.graph_keys`: the
+trunk's (rows, pages) and the heads and sampler's (rows, tokens per step, head rows)), the
+closed-loop keys the lockstep run never used, and those the warm-up's `capture_plan` lacks:
+with CUDA graphs each of those would be a capture while serving.
 """
 
 from __future__ import annotations
@@ -25,17 +26,19 @@ from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions
 from cde.steerling.sampling import SamplingParams
-from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine
+from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine, graph_keys
 
 
 def census(concurrency: int, steps: int, prompt_tokens: int = 128, new_tokens: int = 256, seed: int = 0) -> dict:
     model = SteerlingModel(TINY).init_random(seed).eval()
     engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=16 * concurrency + 64)
     keys: list[tuple] = []
+    launched = [0]
     execute = engine._execute_device
 
     def recording(rb, pb, hb, layout, fwd, smp):
-        keys.append((rb, pb, layout.tokens_per_step, hb))
+        launched[0] += 1
+        keys.extend(graph_keys(rb, pb, layout.tokens_per_step, hb))
         return execute(rb, pb, hb, layout, fwd, smp)
 
     engine._execute_device = recording
@@ -53,6 +56,7 @@ def census(concurrency: int, steps: int, prompt_tokens: int = 128, new_tokens: i
     engine.run_until_idle()
     lockstep = set(keys)
     keys.clear()
+    launched[0] = 0
     live = {}
     for user in range(concurrency):
         live[user] = submit()
@@ -65,9 +69,12 @@ def census(concurrency: int, steps: int, prompt_tokens: int = 128, new_tokens: i
                 live[user] = submit()
     closed = set(keys)
     unseen = sorted(closed - lockstep)
-    return {"concurrency": concurrency, "closed_loop_steps": len(keys), "lockstep_keys": sorted(lockstep),
+    plan = set(engine.capture_plan())
+    uncaptured = sorted(k for k in closed | lockstep if k not in plan and k[1] <= engine.capture_rows)
+    return {"concurrency": concurrency, "closed_loop_steps": launched[0], "lockstep_keys": sorted(lockstep),
             "closed_loop_keys": sorted(closed), "closed_loop_keys_not_in_lockstep": unseen,
-            "closed_loop_steps_on_those_keys": sum(k in set(unseen) for k in keys)}
+            "closed_loop_graph_replays_on_those_keys": sum(k in set(unseen) for k in keys),
+            "capture_rows": engine.capture_rows, "capture_plan_keys": len(plan), "keys_not_in_capture_plan": uncaptured}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         print(f"C={r['concurrency']}: lockstep {len(r['lockstep_keys'])} keys; closed loop {len(r['closed_loop_keys'])} "
               f"keys over {r['closed_loop_steps']} steps, {len(r['closed_loop_keys_not_in_lockstep'])} never used in "
-              f"lockstep ({r['closed_loop_steps_on_those_keys']} steps)", flush=True)
+              f"lockstep ({r['closed_loop_graph_replays_on_those_keys']} replays); "
+              f"{len(r['keys_not_in_capture_plan'])} not in the warm-up's capture plan "
+              f"({r['capture_plan_keys']} keys up to {r['capture_rows']} rows)", flush=True)
     if args.out:
         command = "python -m bench.bucket_census " + " ".join(argv if argv is not None else sys.argv[1:])
         Path(args.out).write_text(json.dumps({"command": command, "device": "cpu", "preset": "tiny", "runs": results},

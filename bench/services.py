@@ -234,6 +234,8 @@ def engine_runs(args, cfg: SteerlingConfig, concs: list[int], bound: int) -> lis
     t = time.perf_counter()
     for c in concs:   # compile / capture every batch size and page bucket untimed
         run_once(engine, model, c, args.prompt_tokens, args.new_tokens, False, 999, bound, timer)
+    if engine._graphs is not None:   # as the worker's warm-up does: every graph up to capture_rows rows
+        print(f"engine captured {engine.capture_graphs()} more CUDA graphs", flush=True)
     print(f"engine warm-up {time.perf_counter() - t:.0f} s", flush=True)
     runs = []
     for c in concs:

@@ -166,4 +166,5 @@ def test_bucket_census_counts_the_keys_of_both_traffic_shapes(tmp_path):
     (r,) = json.loads(out.read_text())["runs"]
     assert r["closed_loop_steps"] >= 60, r   # the arrivals' steps, then --steps more
     assert r["lockstep_keys"] and r["closed_loop_keys"], r
-    assert any(k[0] < 3 for k in r["closed_loop_keys_not_in_lockstep"]), r   # rows 1, 2 while users arrive
+    assert any(k[1] < 3 for k in r["closed_loop_keys_not_in_lockstep"]), r   # rows 1, 2 while users arrive
+    assert r["keys_not_in_capture_plan"] == [], r   # the warm-up captures every one of them

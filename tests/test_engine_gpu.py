@@ -48,3 +48,32 @@ def test_cuda_graphs_overlap_and_compile_equal_the_reference_in_float64(compile_
     for (prompt, opts), h in zip(jobs, handles):
         (fin,) = [e for e in engine.drain(h) if isinstance(e, FinishEvent)]
         assert fin.output_tokens == generate(model, prompt, opts, tokenizer_vocab_size=264).output_tokens
+
+
+@pytest.mark.parity
+def test_after_warmup_staggered_traffic_captures_nothing_and_equals_the_reference():
+    """The warm-up captures every (trunk, heads) graph up to capture_rows rows; requests that
+    start at different steps (new row, head-row and tokens-per-step buckets at every turn)
+    then replay only those graphs, run eagerly above capture_rows, and still decode exactly."""
+    from cde.steerling.reference_decoder import generate
+    from cde.steerling.sampling import SamplingParams
+
+    model = SteerlingModel(TINY.replace(n_layers=2)).init_random(13, std=0.05).to("cuda", torch.float64).eval()
+    model.rebuild_rope("cuda")
+    engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=96, cuda_graphs=True, capture_rows=6)
+    engine.warmup(max_rows=2, max_new_tokens=8)
+    captured = engine.stats().graphs
+    assert captured >= len(engine.capture_plan())
+    jobs = [(list(range(1, 5 + 37 * i)), DecodeOptions(70 + 9 * i, SamplingParams(), tokens_per_step=(1, 2, 4)[i % 3],
+                                                       seed=i)) for i in range(7)]
+    handles = []
+    for i, (p, o) in enumerate(jobs):
+        handles.append(engine.submit(f"s{i}", p, o))
+        for _ in range(3 + i):
+            engine.step()
+    engine.run_until_idle()
+    assert engine.stats().graphs == captured, "a graph was captured while serving"
+    assert engine.eager_steps > 0   # 7 requests plus their prompt rows go past capture_rows
+    for (prompt, opts), h in zip(jobs, handles):
+        (fin,) = [e for e in engine.drain(h) if isinstance(e, FinishEvent)]
+        assert fin.output_tokens == generate(model, prompt, opts, tokenizer_vocab_size=264).output_tokens

@@ -182,14 +182,19 @@ def test_fp32_paged_forward_equals_dense_reference_forward(seed):
     for _ in range(rng.randrange(5, 30)):
         engine.step()
     captured = {}
-    real_forward = engine.runner.forward
+    real_trunk, real_score = engine.runner.trunk, engine.runner.score
 
-    def spy(inp, head_rows):
-        out = real_forward(inp, head_rows)
-        captured["logits"], captured["inp"], captured["rows"] = out.logits, inp, head_rows
+    def spy_trunk(inp):
+        tokens, hidden = real_trunk(inp)
+        captured["tokens"] = tokens
+        return tokens, hidden
+
+    def spy_score(hidden, head_rows):
+        out = real_score(hidden, head_rows)
+        captured["logits"], captured["rows"] = out.logits, head_rows
         return out
 
-    engine.runner.forward = spy
+    engine.runner.trunk, engine.runner.score = spy_trunk, spy_score
     rows = engine._plan()
     engine.step()
     # the engine scores only its candidate (masked) positions: compare those, through its map
@@ -201,7 +206,7 @@ def test_fp32_paged_forward_equals_dense_reference_forward(seed):
                 continue
             start, end = req.block_range(b)
             seq = torch.tensor([req.seq[:end]])
-            seq[0, start:end] = captured["inp"].tokens[i, : end - start]   # the state the engine saw
+            seq[0, start:end] = captured["tokens"][i, : end - start]   # the state the engine saw
             pos = torch.arange(end)[None]
             h = model.hidden_states(seq, pos, dense_block_causal_attend(pos, 64))
             ref = model.heads(h[0, start:end]).logits

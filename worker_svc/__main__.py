@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-pages", type=int, default=int(env("CDE_KV_PAGES", 0)) or None,
                     help="KV pages (default: from free GPU memory; 256 on the CPU)")
     ap.add_argument("--max-slots", type=int, default=int(env("CDE_MAX_SLOTS", 64)))
+    ap.add_argument("--capture-rows", type=int, default=int(env("CDE_CAPTURE_ROWS", 48)),
+                    help="block diffusion with --cuda-graphs: steps of up to this many 64-token rows run from CUDA "
+                         "graphs, all captured at start-up; larger steps run eagerly")
     ap.add_argument("--max-stride", type=int, default=int(env("CDE_MAX_STRIDE", limits.MAX_STRIDE)),
                     help="causal models: the largest decode.isd_stride served")
     ap.add_argument("--threads", type=int, default=int(env("CDE_TORCH_THREADS", 0)),

@@ -185,6 +185,7 @@ class WorkerOptions:
     cuda_graphs: bool = False
     kv_pages: int | None = None
     max_slots: int = 64
+    capture_rows: int = 48              # block diffusion + CUDA graphs: largest step (rows) run from a graph
     max_stride: int = L.MAX_STRIDE      # causal models: the largest decode.isd_stride served
     threads: int = 0                    # CPU: torch intra-op threads (0 = torch's default)
     warmup: bool = True
@@ -262,7 +263,8 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
                                             device=opts.device)
         token_limit = load_model_tokenizer(model.cfg, model_dir).vocab_size
         engine = SteerlingEngine(model, tokenizer_vocab_size=token_limit, max_slots=opts.max_slots,
-                                 n_pages=opts.kv_pages, compile=opts.compile, cuda_graphs=opts.cuda_graphs)
+                                 n_pages=opts.kv_pages, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
+                                 capture_rows=opts.capture_rows)
         family = BlockDiffusionFamily(engine, token_limit, model_name)
     front = AsyncEngine(engine)
     servicer = WorkerServicer(front, family, model_name, token_limit, opts.dtype, opts.device)
@@ -295,6 +297,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
                          worker_id=args.worker_id, advertise=args.advertise or None, model_name=args.model_name or None,
                          device=args.device, dtype=args.dtype, compile=args.compile, cuda_graphs=args.cuda_graphs,
                          kv_pages=args.kv_pages, max_slots=args.max_slots,
+                         capture_rows=getattr(args, "capture_rows", 48),
                          max_stride=getattr(args, "max_stride", 8), threads=getattr(args, "threads", 0),
                          random_weights=getattr(args, "random_weights", None))
 

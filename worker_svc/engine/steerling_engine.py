@@ -24,6 +24,16 @@ commits at least one), buckets their sum N into HB head rows
 (`head_bucket`: HB >= N, never 1) and the device compacts those positions' hidden states into HB
 rows. When a step's results are applied the host checks that each live row really had at most
 its bound (`_apply`), so a wrong bound fails loudly instead of silently dropping a candidate.
+
+CUDA graphs: a step replays two graphs, the trunk's for (rows, pages) and the heads and
+sampler's for (rows, tokens per step, head rows), which meet in a per-row-bucket buffer the
+trunk graph copies its tokens and hidden states into. One graph per (rows, pages, tokens per
+step, head rows) would be their product, thousands of keys: the lockstep warm-up covered a few
+dozen, and traffic whose requests start at different times (a closed loop of users, each
+submitting as its last request finishes) kept meeting new ones, each a capture of a few step
+times inside serving. Split, the keys are few enough that `warmup` captures every one up to
+`capture_rows` rows (`capture_plan`); a step with more rows runs eagerly (at that size the GPU
+time, not the launches, bounds it), so nothing is captured while serving.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from worker_svc.engine.kv_cache import KVCache
 from worker_svc.engine.layouts import BlockResultLayout, BlockResults
 from worker_svc.engine.request_table import TrackedRequest
 from worker_svc.engine.runtime import ROW_BUCKETS, EngineRuntime, LaunchedStep, bucket, to_device
-from worker_svc.engine.steerling_runner import DeviceTables, ForwardInputs, SamplerInputs, StepRunner
+from worker_svc.engine.steerling_runner import DeviceTables, ForwardInputs, HeadInputs, SamplerInputs, StepRunner
 
 __all__ = ["BlockEvent", "BlockRequest", "BlockRow", "FinishEvent", "SteerlingEngine", "StepEvent",
            "TOKENS_PER_STEP_BUCKETS"]
@@ -58,6 +68,29 @@ TOKENS_PER_STEP_BUCKETS = (1, 4, 16, 64)
 # Head rows per step: fine below one block (a lone request's last masks), then whole blocks.
 # Never 1: the compiled confidence pass would specialize on a size-1 dimension.
 HEAD_BUCKETS = (16, 32) + tuple(BLOCK * b for b in ROW_BUCKETS)
+
+
+def head_buckets_for(row_bucket: int) -> tuple[int, ...]:
+    """The head-row buckets a step of `row_bucket` rows can use (besides 0: no heads)."""
+    return tuple(b for b in HEAD_BUCKETS if b <= BLOCK * row_bucket)
+
+
+def graph_keys(rb: int, pb: int, tokens_per_step: int, hb: int) -> list[tuple]:
+    """The CUDA graphs a step replays: the trunk's, and the heads and sampler's unless it has no
+    decode row (hb = 0)."""
+    return [("trunk", rb, pb)] + ([("heads", rb, tokens_per_step, hb)] if hb else [])
+
+
+def capture_plan(max_rows: int, max_pages: int, tokens_per_step_buckets: tuple[int, ...]) -> list[tuple]:
+    """Every graph key of steps with at most `max_rows` rows and `max_pages` pages per row, largest
+    first: the graphs share one memory pool, and smaller captures reuse what the larger left."""
+    keys: list[tuple] = []
+    for rb in ROW_BUCKETS:
+        if rb > bucket(max_rows, ROW_BUCKETS):
+            break
+        keys += [("trunk", rb, pb) for pb in PAGE_BUCKETS if pb <= bucket(max_pages, PAGE_BUCKETS)]
+        keys += [("heads", rb, tps, hb) for tps in tokens_per_step_buckets for hb in head_buckets_for(rb)]
+    return keys[::-1]
 
 
 def head_bucket(n_candidates: int, row_bucket: int) -> int:
@@ -102,7 +135,8 @@ class BlockRow(NamedTuple):
 class SteerlingEngine(EngineRuntime):
     def __init__(self, model: SteerlingModel, *, tokenizer_vocab_size: int | None = None, max_slots: int = 64,
                  n_pages: int | None = None, max_prefill_rows: int = 32, compile: bool = False,
-                 cuda_graphs: bool = False, kv_fraction: float = 0.85, overlap: bool = True):
+                 cuda_graphs: bool = False, kv_fraction: float = 0.85, overlap: bool = True,
+                 capture_rows: int = 48):
         self.model = model.eval()
         self.cfg = model.cfg
         p = next(model.parameters())
@@ -118,6 +152,11 @@ class SteerlingEngine(EngineRuntime):
         self.head_rows = 0          # head rows the launched steps scored (sum of their HB)
         self.position_rows = 0      # positions the launched steps forwarded (sum of 64 x row bucket)
         self.last_heads = (0, 0)    # the last launched step's (candidate bound N, head rows HB)
+        # CUDA graphs serve steps of at most this many rows (bucketed); warm-up captures them all
+        self.capture_rows = bucket(capture_rows, ROW_BUCKETS)
+        self.eager_steps = 0        # steps with CUDA graphs on that ran eagerly (more rows than capture_rows)
+        self._handoff: dict[int, tuple[Tensor, Tensor]] = {}   # row bucket -> trunk graphs' (tokens, hidden)
+        self._idle: dict[tuple[int, int], Tensor] = {}         # (rows, width) -> results of a step without heads
         # Overlapped steps: their tokens come from the device's block-token table.
         self._accelerate(compile, cuda_graphs)
 
@@ -158,22 +197,49 @@ class SteerlingEngine(EngineRuntime):
                                         active=(len(prompt) + len(committed)) // BLOCK, committed=len(committed),
                                         step=next_step, stream_steps=stream_steps))
 
+    @property
+    def tokens_per_step_buckets(self) -> tuple[int, ...]:
+        return tuple(t for t in TOKENS_PER_STEP_BUCKETS if t <= self.cfg.diff_block_size)
+
     def warmup(self, max_rows: int = 4, max_new_tokens: int = 70) -> None:
-        """Compile (and, on GPU, capture) the step for the shapes traffic will use, before SERVING.
+        """Compile (and, with CUDA graphs, capture) the step for the shapes traffic will use, before SERVING.
 
         Runs throwaway requests covering one row and several rows (PyTorch specializes size
         1), prefill + decode + commit rows, several page counts and every tokens-per-step bucket;
         their blocks decode from 64 masks down to 1, so the steps pass through the head-row
         buckets of up to max_rows blocks (HB >= 16: the confidence pass never sees a size 1).
+        With CUDA graphs it then captures every key of `capture_plan` up to `capture_rows` rows
+        and the model's context.
         """
         for n_rows in sorted({1, min(2, max_rows), max_rows}):
-            for tokens_per_step in TOKENS_PER_STEP_BUCKETS:
-                if tokens_per_step > self.cfg.diff_block_size:
-                    continue
+            for tokens_per_step in self.tokens_per_step_buckets:
                 self._run_throwaway([(f"__warmup_{n_rows}_{tokens_per_step}_{i}", [1] * (BLOCK * (i % 2) + 3),
                                       DecodeOptions(min(max_new_tokens, 128), tokens_per_step=tokens_per_step))
                                      for i in range(n_rows)])
+        if self._graphs is not None:
+            self.capture_graphs()
         self.freeze_heap()
+
+    def capture_plan(self) -> list[tuple]:
+        """The graph keys `capture_graphs` captures: every step of at most capture_rows rows."""
+        return capture_plan(self.capture_rows, -(-self.cfg.block_size // BLOCK), self.tokens_per_step_buckets)
+
+    def capture_graphs(self) -> int:
+        """Capture every key of `capture_plan` not captured yet, on all-padding inputs (they touch
+        only the scratch page and slot); returns how many."""
+        new = 0
+        for key in self.capture_plan():
+            if key in self._graphs.graphs:
+                continue
+            if key[0] == "trunk":
+                _, rb, pb = key
+                self._trunk_graph(rb, pb, self.runner.neutral_inputs(rb, pb)[0])
+            else:
+                _, rb, tps, hb = key
+                self._heads_graph(rb, hb, BlockResultLayout(tps, self.topk_known, self.topk_discovered),
+                                  self.runner.neutral_head_inputs(rb), self.runner.neutral_inputs(rb, 1)[1])
+            new += 1
+        return new
 
     # ---- the request table's hooks ------------------------------------------------------------
     def _admission_refusal(self, req: BlockRequest) -> str | None:
@@ -338,11 +404,44 @@ class SteerlingEngine(EngineRuntime):
 
     def _execute_device(self, rb: int, pb: int, hb: int, layout: BlockResultLayout, fwd: ForwardInputs,
                         smp: SamplerInputs) -> Tensor:
-        if self._graphs is None:
+        if self._graphs is None or rb > self.capture_rows:
+            if self._graphs is not None:
+                self.eager_steps += 1
             return self.runner.step(layout, fwd, smp, hb)
-        return self._graphs.run((rb, pb, layout.tokens_per_step, hb), (fwd, smp),
-                                lambda f, s: self.runner.step(layout, f, s, hb),
-                                lambda: self.runner.neutral_inputs(rb, pb))
+        self._trunk_graph(rb, pb, fwd)
+        if hb == 0:
+            out = self._idle.get((rb, layout.width))
+            if out is None:
+                out = self._idle[(rb, layout.width)] = torch.zeros(rb, layout.width, dtype=torch.int32,
+                                                                   device=self.device)
+            return out
+        return self._heads_graph(rb, hb, layout, HeadInputs(fwd.positions, fwd.n_visible), smp)
+
+    def _handoff_buffers(self, rb: int) -> tuple[Tensor, Tensor]:
+        """Where the trunk graphs of `rb` rows leave (tokens, hidden) for the heads graphs of `rb` rows
+        (allocated outside any capture: it outlives every graph that uses it)."""
+        bufs = self._handoff.get(rb)
+        if bufs is None:
+            bufs = self._handoff[rb] = (torch.zeros(rb, BLOCK, dtype=torch.long, device=self.device),
+                                        torch.zeros(rb * BLOCK, self.cfg.n_embd, dtype=self.dtype, device=self.device))
+        return bufs
+
+    def _trunk_graph(self, rb: int, pb: int, fwd: ForwardInputs) -> None:
+        tokens_buf, hidden_buf = self._handoff_buffers(rb)
+
+        def trunk(f: ForwardInputs) -> Tensor:
+            tokens, hidden = self.runner.trunk(f)
+            tokens_buf.copy_(tokens)
+            hidden_buf.copy_(hidden)
+            return tokens_buf
+
+        self._graphs.run(("trunk", rb, pb), (fwd,), trunk, lambda: (self.runner.neutral_inputs(rb, pb)[0],))
+
+    def _heads_graph(self, rb: int, hb: int, layout: BlockResultLayout, hin: HeadInputs, smp: SamplerInputs) -> Tensor:
+        tokens_buf, hidden_buf = self._handoff_buffers(rb)
+        return self._graphs.run(("heads", rb, layout.tokens_per_step, hb), (hin, smp),
+                                lambda h, s: self.runner.heads_and_sample(layout, tokens_buf, hidden_buf, h, s, hb),
+                                lambda: (self.runner.neutral_head_inputs(rb), self.runner.neutral_inputs(rb, 1)[1]))
 
     def _apply(self, rows: list[BlockRow], results: BlockResults, head_bounds: list[int] | None = None) -> None:
         """head_bounds: the per-row bounds the step was launched with (checked, see module doc)."""

@@ -27,9 +27,11 @@ record for record. On a GPU, fp32/bf16 GEMMs may pick another kernel or split fo
 row count, so a row's logits can differ in the last bit between batch shapes (as they already
 did between row buckets); the CPU tests do not see that.
 
-Every function has fixed shapes for a given (rows, pages, tokens per step, head rows) bucket:
-no Python branching on data, steering always in, so they compile once and can be captured as
-CUDA graphs.
+A step is two parts with their own shapes: the trunk (`trunk`: the rows' tokens, the
+forward, the K/V writes), whose shapes are (rows, pages), and the heads and sampler
+(`heads_and_sample`), whose shapes are (rows, tokens per step, head rows). Each has fixed shapes
+for its bucket: no Python branching on data, steering always in, so they compile once and are
+captured as separate CUDA graphs (steerling_engine.py says why two).
 """
 
 from __future__ import annotations
@@ -80,6 +82,14 @@ class SamplerInputs:
                           # upper bound; 0 on commit rows). Caps a row whose block an <|eot_id|>
                           # filled differently than an overlapped launch assumed (its results are
                           # dropped), so the step's candidates never exceed its head rows.
+
+
+@dataclass
+class HeadInputs:
+    """What the heads and sampler need of the step's rows besides the trunk's outputs."""
+
+    positions: Tensor     # (R, 64) long absolute positions (ForwardInputs.positions)
+    n_visible: Tensor     # (R,) long (ForwardInputs.n_visible): a row's length is n_visible - positions[:, 0]
 
 
 @dataclass
@@ -142,7 +152,7 @@ class StepRunner:
         table = self.tables.block_tokens.index_select(0, inp.steer_slot)
         return torch.where(inp.from_table[:, None], table, inp.tokens)
 
-    # ---- forward ----------------------------------------------------------------------
+    # ---- the trunk ----------------------------------------------------------------------
     def hidden_states(self, inp: ForwardInputs) -> Tensor:
         """The rows' final hidden states (R * 64, D); every row writes its K/V on the way."""
         cfg = self.cfg
@@ -152,13 +162,28 @@ class StepRunner:
         h = self.model.hidden_states(inp.tokens, inp.positions, attend, steering)
         return h.reshape(-1, h.shape[-1])
 
-    def forward(self, inp: ForwardInputs, head_rows: HeadRows) -> HeadsOutput:
-        """Forward over all rows, then the concept heads + LM head on the step's head rows only."""
-        h = self.hidden_states(inp).index_select(0, head_rows.flat)
+    def trunk(self, fwd: ForwardInputs) -> tuple[Tensor, Tensor]:
+        """The rows' tokens (`resolve_tokens`) and final hidden states (R * 64, D): everything of
+        a step that reads the page table."""
+        tokens = self.resolve_tokens(fwd)
+        return tokens, self.hidden_states(dataclasses.replace(fwd, tokens=tokens))
+
+    # ---- heads ------------------------------------------------------------------------
+    def score(self, hidden: Tensor, head_rows: HeadRows) -> HeadsOutput:
+        """The concept heads + LM head on the step's head rows only."""
+        h = hidden.index_select(0, head_rows.flat)
         # One scoring pass over the head rows (transient HB x 101,200 fp32 scores for the
         # discovered head), so the compiled shapes stay generic in HB.
         self.heads_rows += h.shape[0]   # Python-side: every eager step; under CUDA graphs only captures
         return self.model.heads(h, token_chunk=None)
+
+    def heads_and_sample(self, layout: BlockResultLayout, tokens: Tensor, hidden: Tensor, hin: HeadInputs,
+                         smp: SamplerInputs, head_rows: int) -> Tensor:
+        """The trunk's (tokens, hidden) -> heads on `head_rows` compacted positions -> sampled,
+        packed results."""
+        rows = compact_heads(tokens, self.cfg.mask_id, smp.decode, smp.heads, head_rows)
+        heads = self.score(hidden, rows)
+        return self.sample(layout, tokens, hin.positions, heads, rows, smp, hin.n_visible - hin.positions[:, 0])
 
     # ---- sampler ----------------------------------------------------------------------
     def neutral_inputs(self, rows: int, pages: int) -> tuple[ForwardInputs, SamplerInputs]:
@@ -181,19 +206,20 @@ class StepRunner:
             heads=torch.zeros(rows, **long))
         return fwd, smp
 
+    def neutral_head_inputs(self, rows: int) -> HeadInputs:
+        dev = self.tables.seen.device
+        return HeadInputs(positions=torch.zeros((rows, BLOCK), dtype=torch.long, device=dev),
+                          n_visible=torch.full((rows,), BLOCK, dtype=torch.long, device=dev))
+
     def step(self, layout: BlockResultLayout, fwd: ForwardInputs, smp: SamplerInputs, head_rows: int) -> Tensor:
-        """The whole device step: resolve the rows' tokens, forward, heads on `head_rows`
-        compacted positions, sample (packed results). head_rows = 0 (no decode row): the
-        forward only (K/V writes), and all-zero results nobody reads."""
-        tokens = self.resolve_tokens(fwd)
-        fwd = dataclasses.replace(fwd, tokens=tokens)
+        """The whole device step in one call (no CUDA graphs): the trunk, then heads on `head_rows`
+        compacted positions and the sampler (packed results). head_rows = 0 (no decode row): the
+        trunk only (K/V writes), and all-zero results nobody reads."""
+        tokens, hidden = self.trunk(fwd)
         if head_rows == 0:
-            self.hidden_states(fwd)
             return torch.zeros(tokens.shape[0], layout.width, dtype=torch.int32, device=tokens.device)
-        rows = compact_heads(tokens, self.cfg.mask_id, smp.decode, smp.heads, head_rows)
-        heads = self.forward(fwd, rows)
-        row_len = fwd.n_visible - fwd.positions[:, 0]
-        return self.sample(layout, tokens, fwd.positions, heads, rows, smp, row_len)
+        return self.heads_and_sample(layout, tokens, hidden, HeadInputs(fwd.positions, fwd.n_visible), smp,
+                                     head_rows)
 
     def sample(self, layout: BlockResultLayout, tokens: Tensor, positions: Tensor, heads: HeadsOutput,
                head_rows: HeadRows, s: SamplerInputs, row_len: Tensor | None = None) -> Tensor:
