@@ -486,17 +486,22 @@ def query_windows_attend(kv: KVCache, write_idx: Tensor, pages: Tensor, position
     """ISD rows: query token (r, j) writes its K/V at flat page slot write_idx[r, j] (page * 64 +
     offset) and sees the keys at positions <= positions[r, j]."""
     n_kv, hd = kv.k.shape[3], kv.k.shape[4]
-    key_pos = torch.arange(pages.shape[1] * kv.page, device=pages.device)
-    sdpa = _GatheredSdpa(kv, pages, (key_pos[None, None, :] <= positions[:, :, None])[:, None])   # (R, 1, Q, P*64)
+    sdpa: _GatheredSdpa | None = None
     # flat (page, offset, head) row of every (row, query, head) K/V vector
     heads = torch.arange(n_kv, device=pages.device)[None, None, :]
     widx = (write_idx[:, :, None] * n_kv + heads).reshape(-1)                                  # (R*Q*KV,)
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        nonlocal sdpa
         kc, vc = kv.k[layer], kv.v[layer]
         kc.view(-1, hd).index_copy_(0, widx, k.transpose(1, 2).reshape(-1, hd).to(kc.dtype))
         vc.view(-1, hd).index_copy_(0, widx, v.transpose(1, 2).reshape(-1, hd).to(vc.dtype))
         out = kernel.run(q, kc, vc, pages, positions)   # on the GPU in half precision: pages read in place
-        return out if out is not None else sdpa(layer, q)
+        if out is not None:
+            return out
+        if sdpa is None:   # the (R, 1, Q, P*64) mask only where gather + SDPA runs
+            key_pos = torch.arange(pages.shape[1] * kv.page, device=pages.device)
+            sdpa = _GatheredSdpa(kv, pages, (key_pos[None, None, :] <= positions[:, :, None])[:, None])
+        return sdpa(layer, q)
 
     return attend
