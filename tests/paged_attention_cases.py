@@ -91,9 +91,10 @@ def make_chunk_case(seed: int, n_q: int, dtype=torch.float32, device="cpu", n_h=
 
 # (n_q, n_h, n_kv, splits) under the interpreter: one tile (16 x GQA 2 = 32 packed rows), GQA 3
 # (33 x 3 = 99 rows: 2 tiles, the boundary inside a query's heads), 64 x GQA 2 (2 tiles) and
-# 64 x GQA 4 (4 tiles), with 1 and several key splits
+# 64 x GQA 4 (4 tiles), with 1 and several key splits; 128 queries without GQA (2 tiles; the
+# merge in 2 tiles of 64 queries)
 CHUNK_INTERPRETER_CASES = ((16, 4, 2, 1), (16, 4, 2, 3), (33, 6, 2, 1), (33, 6, 2, 2), (64, 4, 2, 2),
-                           (64, 8, 2, 1))
+                           (64, 8, 2, 1), (128, 2, 2, 2))
 
 
 def chunk_interpreter_child(seed: int) -> None:

@@ -34,7 +34,7 @@ def test_paged_attention_equals_gather_and_sdpa_under_the_interpreter():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -r requirements-test.txt)")
 def test_prompt_chunks_equal_gather_and_sdpa_under_the_interpreter(seed):
-    """16, 33 and 64 queries per row (1, 2 and 4 query tiles; a tile boundary inside a query's
+    """16, 33, 64 and 128 queries per row (1, 2 and 4 query tiles; a tile boundary inside a query's
     heads at GQA 3), rows at different offsets, padding queries past the table, a padding row,
     1 and several key splits; positions - 1 must be caught."""
     report = child_report("from tests.paged_attention_cases import chunk_interpreter_child; "
