@@ -266,7 +266,7 @@ def _merge(partials: tuple[Tensor, Tensor, Tensor], out: Tensor, splits: int) ->
                                                             BLOCK_T=block_t, D=d)
 
 
-# ---- ISD query windows (decode windows and prompt chunks) ----------------------------------------
+# ---- ISD query windows (decode windows and prompt chunks) ------------------------------------
 
 def query_tiles(n_q: int, group: int) -> tuple[int, int]:
     """(BLOCK_M, tiles) of a window of n_q queries on `group` query heads per kv head: its
