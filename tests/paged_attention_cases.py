@@ -1,8 +1,8 @@
-"""Random paged-attention cases (ISD decode windows, Steerling block rows) and the gather + SDPA
-path they are checked against, shared by tests/test_paged_attention.py,
+"""Random paged-attention cases (ISD decode windows and prompt chunks, Steerling block rows) and
+the gather + SDPA path they are checked against, shared by tests/test_paged_attention.py,
 tests/test_block_attention.py and the child processes that run the Triton kernels under the CPU
-interpreter (``interpreter_child``, ``block_interpreter_child``, ``split_interpreter_child``) or
-compile them for sm_90 (``tests.triton_child.sm90_compile_child``)."""
+interpreter (``interpreter_child``, ``chunk_interpreter_child``, ``block_interpreter_child``,
+``split_interpreter_child``) or compile them for sm_90 (``tests.triton_child.sm90_compile_child``)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,66 @@ def interpreter_child() -> None:
         assert got.shape == want.shape
         worst = max(worst, float((got - want).abs().max()))
     print(json.dumps({"max_abs_err": worst}))
+
+
+# ---- ISD prompt chunks ------------------------------------------------------------------------
+
+def make_chunk_case(seed: int, n_q: int, dtype=torch.float32, device="cpu", n_h=4, n_kv=2, d=32, n_pages=24,
+                    n_tab=4):
+    """Prompt-chunk rows of n_q queries the way the ISD engine lays them out (one table width for
+    the step, physical pages shuffled, positions start + j for every query, padding included):
+    0: a prompt's first chunk (start 0) whose table also holds its later chunks' pages (keys it
+       must not see); 1: a chunk starting mid-page; 2: one starting on a page boundary, table
+       entries past its window scratch page 0; 3: the prompt's last chunk, shorter than n_q,
+       ending on the table's last key: its padding queries' positions run past the table;
+    4: a padding row (scratch page 0, positions 0 .. n_q - 1)."""
+    assert n_q <= (n_tab - 1) * PAGE
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))   # noqa: E731  lo..hi
+    span = n_tab * PAGE
+    mid = PAGE * rnd(0, (span - n_q) // PAGE - 1) + rnd(1, PAGE - 1)
+    mid = min(mid, span - n_q)
+    boundary = PAGE * rnd(0, (span - n_q) // PAGE)
+    last_len = rnd(1, n_q - 1)
+    starts = [0, mid, boundary, span - last_len, 0]
+    perm = (torch.randperm(n_pages - 1, generator=g) + 1)[: 4 * n_tab].view(4, n_tab)
+    pages = torch.zeros(5, n_tab, dtype=torch.long)
+    pages[:4] = perm
+    pages[2, (boundary + n_q - 1) // PAGE + 1:] = 0
+    positions = torch.tensor(starts)[:, None] + torch.arange(n_q)[None, :]
+    k_pool = torch.randn(n_pages, PAGE, n_kv, d, generator=g)
+    v_pool = torch.randn(n_pages, PAGE, n_kv, d, generator=g)
+    q = torch.randn(5, n_h, n_q, d, generator=g)
+    to = lambda t: t.to(device=device, dtype=dtype)    # noqa: E731
+    return to(q), to(k_pool), to(v_pool), pages.to(device), positions.to(device)
+
+
+# (n_q, n_h, n_kv, splits) under the interpreter: one tile (16 x GQA 2 = 32 packed rows), GQA 3
+# (33 x 3 = 99 rows: 2 tiles, the boundary inside a query's heads), 64 x GQA 2 (2 tiles) and
+# 64 x GQA 4 (4 tiles), with 1 and several key splits; 128 queries without GQA (2 tiles; the
+# merge in 2 tiles of 64 queries)
+CHUNK_INTERPRETER_CASES = ((16, 4, 2, 1), (16, 4, 2, 3), (33, 6, 2, 1), (33, 6, 2, 2), (64, 4, 2, 2),
+                           (64, 8, 2, 1), (128, 2, 2, 2))
+
+
+def chunk_interpreter_child(seed: int) -> None:
+    """The ISD kernel on prompt chunks against gather + SDPA, and with positions - 1 (an
+    off-by-one in the causal rule the comparison must catch)."""
+    from worker_svc.engine.attention import paged_attention, query_tiles
+
+    reports = {}
+    for i, (n_q, n_h, n_kv, splits) in enumerate(CHUNK_INTERPRETER_CASES):
+        q, k_pool, v_pool, pages, positions = make_chunk_case(seed + i, n_q, n_h=n_h, n_kv=n_kv)
+        want = reference(q, k_pool, v_pool, pages, positions)
+        got = paged_attention(q, k_pool, v_pool, pages, positions, splits=splits)
+        shifted = paged_attention(q, k_pool, v_pool, pages, positions - 1, splits=splits)
+        reports[f"{n_q}q x {n_h}/{n_kv} heads x {splits} splits"] = {
+            "tiles": query_tiles(n_q, n_h // n_kv)[1],
+            "layout": list(got.shape) == list(want.shape) and got.transpose(1, 2).is_contiguous(),
+            "max_abs_err": float((got - want).abs().max()),
+            # the least any real row moves (queries at positions >= 1: at 0, nothing is left to see)
+            "off_by_one_err": min(float((shifted - want)[i, :, positions[i] >= 1].abs().max()) for i in range(4))}
+    print(json.dumps(reports))
 
 
 # ---- Steerling block rows ---------------------------------------------------------------------

@@ -56,8 +56,8 @@ ATTENTION = "worker_svc.engine.attention"
 SM90_KERNELS = [   # Steerling-8B shapes (GQA 8, head_dim 128), I-DLM's decode windows (GQA 4)
     (ATTENTION, "_block_attention_kernel", {"GROUP": 8, "D": 128, "PAGE": 64, "SPLITS": 1, "DOT_PRECISION": "tf32"}),
     (ATTENTION, "_block_attention_kernel", {"GROUP": 8, "D": 128, "PAGE": 64, "SPLITS": 8, "DOT_PRECISION": "tf32"}),
-    (ATTENTION, "_paged_attention_kernel", {"GROUP": 4, "M": 32, "D": 128, "PAGE": 64, "SPLITS": 1}),
-    (ATTENTION, "_paged_attention_kernel", {"GROUP": 4, "M": 32, "D": 128, "PAGE": 64, "SPLITS": 16}),
+    (ATTENTION, "_paged_attention_kernel", {"GROUP": 4, "BLOCK_M": 32, "D": 128, "PAGE": 64, "SPLITS": 1}),
+    (ATTENTION, "_paged_attention_kernel", {"GROUP": 4, "BLOCK_M": 32, "D": 128, "PAGE": 64, "SPLITS": 16}),
     (ATTENTION, "_merge_splits_kernel", {"SPLITS": 8, "BLOCK_T": 64, "D": 128}),
     (ATTENTION, "_merge_splits_kernel", {"SPLITS": 16, "BLOCK_T": 8, "D": 128}),
     (ATTENTION, "_merge_splits_kernel", {"SPLITS": 32, "BLOCK_T": 1, "D": 128}),   # AR: one query per row

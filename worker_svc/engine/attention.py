@@ -5,17 +5,18 @@ their pages, then attend over the pages they may see.
   page", keys up to the row's `n_visible`); each row writes its whole page. On CUDA in
   bf16/fp16 (with the runner's `BlockKernelUse`) the writes are one Triton launch for K and V
   (`write_block_kv`) and attention is `block_attention`, which reads the pages in place.
-* `query_windows_attend` (ISD): short query windows of a causal model; each real query token
-  writes its K/V at its absolute position and a key is visible iff its position <= the query's.
-  On CUDA in bf16/fp16, windows of at most `MAX_QUERIES` queries go through `paged_attention`,
-  which reads the pages in place.
+* `query_windows_attend` (ISD): query windows of a causal model (decode windows of 1-8
+  queries, prompt chunks of up to 64 (`prefill_chunk`; at most `MAX_QUERIES`)); each real query
+  token writes its K/V at its absolute position and a key is visible iff its position <= the
+  query's. On CUDA in bf16/fp16 both go through `paged_attention`, which reads the pages in place.
 * Everything else (CPU, fp32/fp64, no Triton, or a kernel that failed to build on its first
   call: switched off with one warning): gather the row's pages and run SDPA with an additive
   mask (the exact path the CPU tests compare with the reference decoders).
 
 Why in place: gathering each row's pages into a contiguous (rows, kv_heads, pages*64, head_dim)
 copy costs two gathers, the SDPA launch and its mask per layer, and grows with the context
-(Steerling at 4K tokens: 10.6 ms per step against a 5.6 ms floor on an H200).
+(Steerling at 4K tokens: 10.6 ms per step against a 5.6 ms floor on an H200; an ISD 4K prompt's
+chunks each copied all their visible pages every layer).
 
 `block_attention`: one program per (row, query head, split); its tile is the row's 64 block
 queries (bidirectional inside the block: every query sees keys 0 .. n_visible - 1, which is
@@ -23,17 +24,22 @@ block-causal because a row's page table holds only pages 0 .. its block); query 
 head h // group; keys/values are streamed a page at a time with an online softmax in fp32, and
 pages past the last visible key are never read.
 
-`paged_attention` (ISD decode steps: 1 (AR) to 8 queries per row): one program per (row, kv
-head, split); the GROUP query heads sharing that kv head and the Q queries are packed into one
-M = Q*GROUP block (at least 16 rows for `tl.dot`), and a key is visible iff its logical position
-<= the query's position -- the runner's mask rule ("everything cached before the window, causal
-inside it").
+`paged_attention` (ISD windows: 1 (AR) to 8 queries per decode row, up to 64 per prompt chunk):
+the GROUP query heads sharing a kv head and the Q queries are packed into M = Q*GROUP rows
+(row t*GROUP + g: query t, head g of the group), cut into `query_tiles` of BLOCK_M <= 64 rows
+(at least 16 for `tl.dot`; the (BLOCK_M, D) fp32 accumulator stays in registers at D = 128);
+one program per (row, kv head x tile, split). A decode window (M <= 64) is one tile; a 64-query
+chunk on GQA 4 is 4 tiles of 16 queries each. A key is visible iff its logical position <= the
+query's position -- the runner's mask rule ("everything cached before the window, causal inside
+it") -- and each tile reads pages only up to its own furthest query (causal: a chunk's later
+tiles read more), never past the row's page table.
 
-Split-KV (flash-decoding), both kernels: at batch 1 there are only rows x heads programs (8 for
-ISD at 4K context on a 132-SM GPU), so each row's visible pages are cut into `splits` contiguous
-ranges, one program each, writing fp32 partials (running max, sum, unnormalised output) that
-`_merge_splits_kernel` combines. `split_count` picks the splits on the host from shapes alone
-(rows x heads programs, the page-table bucket, the SM count), so a CUDA graph per bucket
+Split-KV (flash-decoding), both kernels: at batch 1 there are only rows x heads (x tiles)
+programs (8 for an ISD decode window at 4K context on a 132-SM GPU), so each program's visible
+pages are cut into `splits` contiguous ranges, one program each, writing fp32 partials (running
+max, sum, unnormalised output) that `_merge_splits_kernel` combines (one program per row, query
+head and tile of <= 64 queries). `split_count` picks the splits on the host from shapes alone
+(the programs launched, the page-table bucket, the SM count), so a CUDA graph per bucket
 captures one choice; splits = 1 writes the output directly (no partials, no merge).
 `tests/test_block_attention.py` and `tests/test_paged_attention.py` check the kernels against
 gather + SDPA under Triton's interpreter, compiled for sm_90, and on a GPU.
@@ -52,7 +58,10 @@ from torch import Tensor
 from cde.lazy_jit import jit
 from worker_svc.engine.kv_cache import KVCache
 
-MAX_QUERIES = 8
+# The largest query window `paged_attention` serves: isd_engine's largest Q_BUCKETS entry (the
+# largest prompt chunk it accepts); tests check the two agree.
+MAX_QUERIES = 128
+MAX_TILE_ROWS = 64   # packed query rows per program (paged_attention) and queries per merge program
 
 try:
     import triton
@@ -65,12 +74,15 @@ except ImportError:   # CPU installs without Triton: the runner keeps gather + S
 
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, qpos_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
                             sq_r, sq_h, sq_t, sk_p, sk_t, sk_h, sp_r, sqp_r, so_r, so_t, so_h,
-                            scale, Q, NH, GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-                            PAGE: tl.constexpr, SPLITS: tl.constexpr):
+                            scale, Q, NH, P, M_TILES, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                            D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr):
+    """One program per (row, kv head x query tile, split): BLOCK_M of the row's packed
+    (query, head-in-group) rows against its keys at positions <= each query's."""
     r = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // M_TILES
+    tile = tl.program_id(1) % M_TILES
     split = tl.program_id(2)
-    m = tl.arange(0, M)            # packed (query t, head-in-group g) = t * GROUP + g
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)   # packed (query t, head-in-group g) = t * GROUP + g
     t = m // GROUP
     h = kvh * GROUP + m % GROUP
     real = t < Q
@@ -79,14 +91,16 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, qpos_ptr, out_ptr, p
     q = tl.load(q_ptr + r64 * sq_r + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=real[:, None],
                 other=0.0)
     pos = tl.load(qpos_ptr + r64 * sqp_r + t, mask=real, other=-1)
-    last = tl.max(pos, 0)          # the row's furthest query: pages past it are never read
-    n_pages = last // PAGE + 1
+    last = tl.max(pos, 0)          # the tile's furthest query: pages past it are never read
+    # (last + PAGE) // PAGE: no negative division (a tile with no query reads nothing); capped at
+    # the table, which padding queries (positions past the row's end) may run beyond
+    n_pages = tl.minimum((last + PAGE) // PAGE, P)
     per_split = (n_pages + SPLITS - 1) // SPLITS     # this program's contiguous range of pages
     lo = split * per_split
     hi = tl.minimum(lo + per_split, n_pages)
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
     j = tl.arange(0, PAGE)
     for pi in range(lo, hi):
         page = tl.load(pages_ptr + r64 * sp_r + pi).to(tl.int64)
@@ -161,11 +175,11 @@ def _block_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, nvis_ptr, out_ptr, p
 
 def _merge_splits_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, so_r, so_t, so_h, NH, T,
                          SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
-    """Flash-decoding merge, one program per (row, query head): out = sum_s w_s acc_s / sum_s w_s l_s
-    with w_s = exp(m_s - max_s m_s)."""
+    """Flash-decoding merge, one program per (row, query head, tile of BLOCK_T queries):
+    out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
-    t = tl.arange(0, BLOCK_T)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     real = t < T
     d = tl.arange(0, D)
     r64 = r.to(tl.int64)
@@ -206,6 +220,10 @@ def _kernel():
     return jit(_paged_attention_kernel)
 
 
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 # ---- splits (flash-decoding) ------------------------------------------------------------------
 
 SPLIT_WAVES = 2              # aim for ~2 programs per SM
@@ -242,11 +260,23 @@ def _partials(rows: int, n_h: int, splits: int, n_q: int, d: int, device) -> tup
 
 def _merge(partials: tuple[Tensor, Tensor, Tensor], out: Tensor, splits: int) -> None:
     r, n_q, n_h, d = out.shape
-    jit(_merge_splits_kernel)[(r, n_h)](*partials, out, out.stride(0), out.stride(1), out.stride(2), n_h, n_q,
-                                         SPLITS=splits, BLOCK_T=triton.next_power_of_2(n_q), D=d)
+    block_t = min(MAX_TILE_ROWS, _next_power_of_2(n_q))      # (block_t, D) fp32 accumulator per program
+    jit(_merge_splits_kernel)[(r, n_h, -(-n_q // block_t))](*partials, out, out.stride(0), out.stride(1),
+                                                            out.stride(2), n_h, n_q, SPLITS=splits,
+                                                            BLOCK_T=block_t, D=d)
 
 
-# ---- ISD decode windows ---------------------------------------------------------------------
+# ---- ISD query windows (decode windows and prompt chunks) ------------------------------------
+
+def query_tiles(n_q: int, group: int) -> tuple[int, int]:
+    """(BLOCK_M, tiles) of a window of n_q queries on `group` query heads per kv head: its
+    n_q * group packed rows in tiles of at most MAX_TILE_ROWS (the (BLOCK_M, D) fp32
+    accumulator stays in registers at D = 128) and at least 16 (`tl.dot`). Decode windows
+    (n_q * group <= 64) are one tile."""
+    packed = n_q * group
+    block_m = max(16, min(MAX_TILE_ROWS, _next_power_of_2(packed)))
+    return block_m, -(-packed // block_m)
+
 
 def supported(q: Tensor) -> bool:
     """Whether `paged_attention` serves this step's queries (else: gather + SDPA)."""
@@ -260,26 +290,28 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor, po
 
     q (R, H, Q, D); k_pool, v_pool (pages, 64, KV, D) (one layer of the pool, last dim
     contiguous); pages (R, P) long, logical block -> physical page (padded with scratch page
-    0: never read past the row's last query); positions (R, Q) long. splits: key splits
-    (default `split_count`; 1 = one program per (row, kv head), no merge). Returns (R, H, Q, D),
+    0: never read past a tile's last query nor past P); positions (R, Q) long. splits: key
+    splits (default `split_count`; 1 = one program per (row, kv head, query tile), no merge).
+    Returns (R, H, Q, D),
     a transposed view of a (R, Q, H, D) tensor (what the output projection reads).
     """
     r, n_h, n_q, d = q.shape
     n_kv, page = k_pool.shape[2], k_pool.shape[1]
     group = n_h // n_kv
-    splits = splits or split_count(r * n_kv, pages.shape[1], q.device)
+    block_m, tiles = query_tiles(n_q, group)
+    splits = splits or split_count(r * n_kv * tiles, pages.shape[1], q.device)
     out = torch.empty(r, n_q, n_h, d, dtype=q.dtype, device=q.device)
-    m = max(16, triton.next_power_of_2(n_q * group))
     if q.stride(3) != 1:
         q = q.contiguous()
     assert k_pool.stride(3) == 1 and k_pool.stride() == v_pool.stride()
     pages, positions = pages.contiguous(), positions.contiguous()
     partials = _partials(r, n_h, splits, n_q, d, q.device)
-    _kernel()[(r, n_kv, splits)](q, k_pool, v_pool, pages, positions, out, *partials,
-                                 q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1),
-                                 k_pool.stride(2), pages.stride(0), positions.stride(0),
-                                 out.stride(0), out.stride(1), out.stride(2),
-                                 d ** -0.5, n_q, n_h, GROUP=group, M=m, D=d, PAGE=page, SPLITS=splits)
+    _kernel()[(r, n_kv * tiles, splits)](q, k_pool, v_pool, pages, positions, out, *partials,
+                                         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0),
+                                         k_pool.stride(1), k_pool.stride(2), pages.stride(0), positions.stride(0),
+                                         out.stride(0), out.stride(1), out.stride(2),
+                                         d ** -0.5, n_q, n_h, pages.shape[1], tiles, GROUP=group, BLOCK_M=block_m,
+                                         D=d, PAGE=page, SPLITS=splits)
     if splits > 1:
         _merge(partials, out, splits)
     return out.transpose(1, 2)
@@ -394,7 +426,7 @@ class KernelUse:
 
 
 class PagedKernelUse(KernelUse):
-    """The ISD decode windows' kernel (`paged_attention`)."""
+    """The ISD query windows' kernel (`paged_attention`: decode windows and prompt chunks)."""
 
     name = "paged attention"
 
@@ -454,17 +486,22 @@ def query_windows_attend(kv: KVCache, write_idx: Tensor, pages: Tensor, position
     """ISD rows: query token (r, j) writes its K/V at flat page slot write_idx[r, j] (page * 64 +
     offset) and sees the keys at positions <= positions[r, j]."""
     n_kv, hd = kv.k.shape[3], kv.k.shape[4]
-    key_pos = torch.arange(pages.shape[1] * kv.page, device=pages.device)
-    sdpa = _GatheredSdpa(kv, pages, (key_pos[None, None, :] <= positions[:, :, None])[:, None])   # (R, 1, Q, P*64)
+    sdpa: _GatheredSdpa | None = None
     # flat (page, offset, head) row of every (row, query, head) K/V vector
     heads = torch.arange(n_kv, device=pages.device)[None, None, :]
     widx = (write_idx[:, :, None] * n_kv + heads).reshape(-1)                                  # (R*Q*KV,)
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        nonlocal sdpa
         kc, vc = kv.k[layer], kv.v[layer]
         kc.view(-1, hd).index_copy_(0, widx, k.transpose(1, 2).reshape(-1, hd).to(kc.dtype))
         vc.view(-1, hd).index_copy_(0, widx, v.transpose(1, 2).reshape(-1, hd).to(vc.dtype))
-        out = kernel.run(q, kc, vc, pages, positions)   # decode windows on the GPU: pages read in place
-        return out if out is not None else sdpa(layer, q)
+        out = kernel.run(q, kc, vc, pages, positions)   # on the GPU in half precision: pages read in place
+        if out is not None:
+            return out
+        if sdpa is None:   # the (R, 1, Q, P*64) mask only where gather + SDPA runs
+            key_pos = torch.arange(pages.shape[1] * kv.page, device=pages.device)
+            sdpa = _GatheredSdpa(kv, pages, (key_pos[None, None, :] <= positions[:, :, None])[:, None])
+        return sdpa(layer, q)
 
     return attend
