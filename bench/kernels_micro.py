@@ -104,7 +104,8 @@ def bench_block_attention(cfg, iters: int, warmup: int) -> list[dict]:
         q = torch.randn(rows, page, h, hd, device="cuda", generator=g).to(dtype).transpose(1, 2)
         for n_pages in PAGE_COUNTS:
             pages = 1 + torch.arange(rows * n_pages, device="cuda").view(rows, n_pages)
-            n_visible = torch.full((rows,), n_pages * page, device="cuda", dtype=torch.long)   # the last page: the row's block
+            # every key visible: the last page is the row's own block
+            n_visible = torch.full((rows,), n_pages * page, device="cuda", dtype=torch.long)
             default = split_count(rows * h, n_pages, q.device)
             for splits in sorted({1, default}):
                 rec = {"rows": rows, "pages": n_pages, "splits": splits, "default_splits": default,

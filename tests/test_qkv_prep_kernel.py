@@ -76,8 +76,8 @@ for seed in range(first_seed, first_seed + 3):
         report["max_units"] = max(report["max_units"], u)
         report["v_exact"] &= torch.equal(got[2], want[2])
         # eager's layout: heads of a token adjacent (transposed views of (B, T, heads, hd)), last dim contiguous
-        report["layout"] &= all(x.shape == y.shape and x.stride()[1:] == (hd, x.stride(2), 1) and x.stride(2) >= y.stride(2)
-                                for x, y in zip(got, want))
+        report["layout"] &= all(x.shape == y.shape and x.stride()[1:] == (hd, x.stride(2), 1)
+                                and x.stride(2) >= y.stride(2) for x, y in zip(got, want))
         # wrong references the tolerance must reject: no clamp, wrong rotation half, k with q's weights
         qr, kr, vr = heads(qkv, h, kv, hd)
         unclamped_q = kernels.apply_rope(kernels.rms_norm(qr, qw, 1e-5), cos, sin)
