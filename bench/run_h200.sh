@@ -17,6 +17,7 @@
 #   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
 #   bash bench/run_h200.sh train-all       # both bundled models (idlm-small beside steerling-small + its eval)
 #   bash bench/run_h200.sh eval-idlm       # idlm-8b ISD bench, then idlm-small's full evaluation with H200 speed
+#   bash bench/run_h200.sh kernels-micro # qkv prep (compiled vs Triton) and block attention (splits 1 vs default) at 8B dims
 #   bash bench/run_h200.sh anchor      # the public reference (bench/anchor_steerling_ref.py)
 #   bash bench/run_h200.sh services    # the whole stack under locust at C=1, 8, 32 (30 s each) beside the engine (wheels: bench/wheels.sh; carry .whl)
 #
@@ -42,11 +43,13 @@ export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" CDE_COMMIT="$commi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 case "$stage" in
   gpu-tests)
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_isd_engine.py tests/test_isd.py tests/test_paged_attention.py tests/test_block_attention.py tests/test_confidence_kernel.py tests/test_fused_swiglu.py \
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_isd_engine.py tests/test_isd.py tests/test_paged_attention.py tests/test_block_attention.py tests/test_confidence_kernel.py tests/test_fused_swiglu.py tests/test_qkv_prep_kernel.py \
       2>&1 | tee "$OUT/gpu-tests-$short.txt" ;;
   steerling)
     python3 -m bench.steerling --preset steerling-8b --long-run "" --profile 1,32 \
       --out "$OUT/engine-steerling-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/engine-steerling-8b-h200-$short.txt" ;;
+  kernels-micro)
+    python3 -m bench.kernels_micro --out "$OUT/kernels-micro-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/kernels-micro-h200-$short.txt" ;;
   steerling-quick)
     # C = 1 and 32 with attribution + steering on, kernel profiles at both: a check between full sweeps
     python3 -m bench.steerling --preset steerling-8b --concurrency 1,32 --off-concurrency "" --long-run "" --profile 1,32 \

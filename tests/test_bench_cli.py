@@ -168,3 +168,13 @@ def test_bucket_census_counts_the_keys_of_both_traffic_shapes(tmp_path):
     assert r["lockstep_keys"] and r["closed_loop_keys"], r
     assert any(k[1] < 3 for k in r["closed_loop_keys_not_in_lockstep"]), r   # rows 1, 2 while users arrive
     assert r["keys_not_in_capture_plan"] == [], r   # the warm-up captures every one of them
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU exit path: this host has a GPU")
+def test_kernels_micro_bench_refuses_to_run_without_a_gpu(tmp_path):
+    """bench.kernels_micro (GPU only) imports and exits with a message naming the GPU, writing nothing."""
+    out = tmp_path / "k.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.kernels_micro", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, f"rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert "needs a CUDA GPU" in proc.stderr and not out.exists(), proc.stderr[-2000:]

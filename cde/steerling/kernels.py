@@ -105,12 +105,14 @@ EAGER = Kernels(_FUNCTIONS)
 
 def compiled(backend="inductor") -> Kernels:
     """The functions compiled with dynamic shapes (cde/regional.py); on CUDA in half precision,
-    SwiGLU and the sampler's confidence pass as hand-written Triton kernels (cde/fused_swiglu.py,
-    cde/steerling/confidence_kernel.py say why)."""
+    qkv prep, SwiGLU and the sampler's confidence pass as hand-written Triton kernels
+    (cde/steerling/qkv_prep_kernel.py, cde/fused_swiglu.py, cde/steerling/confidence_kernel.py
+    say why)."""
     from cde import fused_swiglu
-    from cde.steerling import confidence_kernel
+    from cde.steerling import confidence_kernel, qkv_prep_kernel
 
     kn = regional.compiled(_FUNCTIONS, backend)
+    kn.qkv_prep = qkv_prep_kernel.dispatching(kn.qkv_prep)
     kn.swiglu = fused_swiglu.dispatching(kn.swiglu)
     kn.confidence_at = confidence_kernel.dispatching(kn.confidence_at)
     return kn
