@@ -1,8 +1,9 @@
 """The GPU floor for one forward at a preset's sizes, measured in the same run as the engine.
 
 The method (docs/BENCHMARKS.md): random bf16 weights, the dense projections of every
-layer + the LM head for `queries` tokens per sequence, SDPA over `context` cached keys,
-captured in a CUDA graph and replayed, so launch gaps are excluded. No norms, no RoPE, no
+layer + the LM head for `queries` tokens per sequence, SDPA over `context` cached keys
+(concatenated per layer as the anchors do, or, for long contexts, a K/V cache per layer:
+`decode_ms`'s `kv`), captured in a CUDA graph and replayed, so launch gaps are excluded. No norms, no RoPE, no
 concept heads: it is the part no implementation can avoid.
 
 The prefill floor (`FloorModel.prefill_ms`) is one forward of a whole L-token prompt: the same
@@ -75,15 +76,45 @@ class FloorModel:
         torch.cuda.empty_cache()
         return start.elapsed_time(end) / self.iters
 
-    def decode_ms(self, batch: int, queries: int, context: int) -> float:
-        """One decode forward: `queries` new tokens per sequence attend `context` cached keys + themselves."""
+    def decode_ms(self, batch: int, queries: int, context: int, kv: str = "concat") -> float:
+        """One decode forward: `queries` new tokens per sequence attend `context` cached keys + themselves.
+
+        kv="concat" (the anchors' method, ANCHORS / gpu_floor.py): one cached context shared by
+        every layer, concatenated with the new keys in each layer. That copy grows with the
+        context (at 4K it costs more than the engine's whole attention) and the shared context
+        may sit in L2, so it is no floor at long contexts. kv="cached": a K/V cache per layer,
+        (batch, kv_heads, context + queries, hd), the new keys written into its tail and SDPA
+        over the whole of it: the unavoidable reads and the one write."""
         h = self._mk(batch * queries, self.hidden)
-        ctx = self._mk(batch, self.kv_heads, context, self.hd)
+        if kv == "concat":
+            ctx = self._mk(batch, self.kv_heads, context, self.hd)
+
+            def attend(q, k, v):
+                return F.scaled_dot_product_attention(q, torch.cat([ctx, k], 2), torch.cat([ctx, v], 2),
+                                                      enable_gqa=True)
+
+            return self._time_ms(lambda: self._layers(h, batch, queries, attend) @ self.lm.T)
+        if kv != "cached":
+            raise ValueError(f"kv must be 'concat' or 'cached', got {kv!r}")
+        caches = [(self._mk(batch, self.kv_heads, context + queries, self.hd),
+                   self._mk(batch, self.kv_heads, context + queries, self.hd)) for _ in self.ws]
+        layer = iter(())
 
         def attend(q, k, v):
-            return F.scaled_dot_product_attention(q, torch.cat([ctx, k], 2), torch.cat([ctx, v], 2), enable_gqa=True)
+            kc, vc = next(layer)
+            kc[:, :, context:].copy_(k)
+            vc[:, :, context:].copy_(v)
+            return F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
 
-        return self._time_ms(lambda: self._layers(h, batch, queries, attend) @ self.lm.T)
+        def fwd():
+            nonlocal layer
+            layer = iter(caches)
+            return self._layers(h, batch, queries, attend) @ self.lm.T
+
+        try:
+            return self._time_ms(fwd)
+        finally:
+            caches.clear()
 
     def prefill_ms(self, batch: int, length: int, head_tokens: int) -> float:
         """One forward of `length` prompt tokens per sequence, causal attention over them, LM head

@@ -13,7 +13,9 @@ the same shapes (so compiles and CUDA-graph captures stay out of the timed runs)
   C - new_tokens tokens, so the sequences end at C tokens. Timed from the launch of the first step in which every
   request only decodes to the end of the first request: ms/forward = wall / forwards. The floor (bench.floor) is measured in the same run
   for the same batch, query tokens (Steerling 64; ISD 2N - 1: 7 at N = 4, 1 for AR) and context
-  = the mean number of cached keys over the decode steps.
+  = the mean number of cached keys over the decode steps, with a K/V cache per layer (`kv="cached"`:
+  the anchors' floor concatenates the context in every layer, a copy that outgrows the attention
+  itself at 4K; it is recorded beside, `concat_ms_per_forward`).
 * ttfb: one request alone with an L-token prompt (`--ttfb-prompts`); time from submit to its first
   block (Steerling) / first token (ISD), and `prefill_s`, submit to the launch of its first step
   that only decodes. first_block_floor_s = prefill floor(L) + steps x decode floor(batch 1,
@@ -317,10 +319,14 @@ def main() -> None:
                   for ctx in contexts for v in side.variants}
         shapes |= {(side.queries(side.variants[0]), p) for p in ttfb_prompts if side.first_block_steps(p)}
         for q, k in sorted(shapes):
-            ms = {c: fm.decode_ms(c, q, k) for c in sorted(set(args.concurrency + [1]))}
+            # ratios against a K/V cache per layer; the anchors' concatenating floor beside it
+            ms = {c: fm.decode_ms(c, q, k, kv="cached") for c in sorted(set(args.concurrency + [1]))}
+            concat = {c: fm.decode_ms(c, q, k) for c in sorted(set(args.concurrency + [1]))}
             decode_floor.update({(q, k, c): v for c, v in ms.items()})
             result["floor"].append({"ms_per_forward": {str(c): round(v, 3) for c, v in ms.items()},
-                                    "context": k, "query_tokens": q})
+                                    "concat_ms_per_forward": {str(c): round(v, 3) for c, v in concat.items()},
+                                    "kv": "a cache per layer, new K/V written in place", "context": k,
+                                    "query_tokens": q})
         for p in ttfb_prompts:
             ms = {b: fm.prefill_ms(b, p, side.head_tokens) for b in sorted({1, args.joins})}
             prefill_floor.update({(p, b): v for b, v in ms.items()})

@@ -69,6 +69,7 @@ def test_long_context_steerling(tmp_path):
     assert (run["context"], run["prompt_tokens"], run["floor"]["context"], run["floor"]["query_tokens"]) == \
         (128, 64, 64, 64), run
     assert run["ms_per_forward"] > 0 and run["ratio_to_floor"] == run["ms_per_forward"] / run["floor_ms_per_forward"]
+    assert all(set(f["ms_per_forward"]) == set(f["concat_ms_per_forward"]) for f in d["floor"]), d["floor"]
     assert run["forwards"] == 3, run   # 64 masks at 16 per step; the first step shares the prefill's forward
     (alone,), (joined,) = d["ttfb"], d["joins"]
     assert alone["prompt_tokens"] == joined["prompt_tokens"] == 960, alone
@@ -178,3 +179,26 @@ def test_kernels_micro_bench_refuses_to_run_without_a_gpu(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, f"rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert "needs a CUDA GPU" in proc.stderr and not out.exists(), proc.stderr[-2000:]
+
+
+def test_the_cached_floor_attends_the_context_and_the_new_keys():
+    """bench.floor's kv="cached" decode forward (CPU: the code runs, the time means nothing):
+    its attention sees context + queries keys per layer, the new ones written into the tail."""
+    from bench.floor import FloorModel
+
+    fm = FloorModel(2, 64, 4, 2, 128, 50, device="cpu", iters=1)
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.shape[2], k.shape[2]))
+        return real(q, k, v, **kw)
+
+    torch.nn.functional.scaled_dot_product_attention = spy
+    try:
+        assert fm.decode_ms(3, 5, 70, kv="cached") > 0
+        with pytest.raises(ValueError, match="kv must be"):
+            fm.decode_ms(1, 1, 8, kv="gathered")
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = real
+    assert seen and set(seen) == {(5, 75)}, seen
