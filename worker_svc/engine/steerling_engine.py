@@ -5,7 +5,9 @@ Each call to `step()` builds one batch of 64-token rows from the running request
   cache contributes commit rows for those blocks (chunked by `max_prefill_rows`) and, once
   they are all in, its decode row in the same step;
 - a request whose active block just finished contributes one commit row (its final K/V),
-  unless that block ends the request (nobody will attend to it);
+  unless that block ends the request (nobody will attend to it), and in the same step the
+  decode row of its next block, which reads the commit row's page (every row writes its K/V
+  before any row attends): a block boundary costs the request no step of its own;
 - every other request contributes its active block as a decode row.
 Requests join and leave between any two steps. When a request needs a page and none is
 free, the most recently admitted request is preempted: its pages are freed and it is
@@ -114,7 +116,6 @@ class BlockRequest(TrackedRequest):
     step: int = 0
     committed: int = 0
     block_records: list = field(default_factory=list)
-    pending_commit: bool = False     # active block finished; write its final K/V next step
     stream_steps: bool = True        # a StepEvent per step (else only blocks and the finish)
 
     def block_range(self, b: int) -> tuple[int, int]:
@@ -310,13 +311,13 @@ class SteerlingEngine(EngineRuntime):
         rows: list[BlockRow] = []
         prefill_budget = self.max_prefill_rows
         for req in self.table.running:
-            # blocks whose final K/V must be in the cache before the request can decode on
-            target = req.active + 1 if req.pending_commit else req.active
-            if req.kv_blocks < target:
-                n = min(target - req.kv_blocks, max(prefill_budget, 1))
+            # blocks whose final K/V must be in the cache before the request can decode on (its
+            # prompt, recomputation after preemption, or the block it just finished)
+            if req.kv_blocks < req.active:
+                n = min(req.active - req.kv_blocks, max(prefill_budget, 1))
                 prefill_budget -= n
                 rows += [BlockRow(req, b, False) for b in range(req.kv_blocks, req.kv_blocks + n)]
-                if req.kv_blocks + n < target or req.pending_commit:
+                if req.kv_blocks + n < req.active:
                     continue
             rows.append(BlockRow(req, req.active, True))
         return rows
@@ -448,15 +449,13 @@ class SteerlingEngine(EngineRuntime):
         # numpy views of the host copy: per-row indexing there is ~10x cheaper than torch's
         res = BlockResults(*(None if t is None else t.numpy() for t in results))
         pos_sel, tok_sel, valid = res.positions, res.tokens, res.valid
-        closed, advance = [], []
+        closed = []
         for i, (req, b, is_decode) in enumerate(rows):
             if req.finished:   # ended by the previous step (<|eot_id|>) after this one was launched
                 self.dropped_rows += 1
                 continue
             if not is_decode:
                 req.kv_blocks = max(req.kv_blocks, b + 1)
-                if req.pending_commit and b == req.active:
-                    advance.append(req)
                 continue
             if head_bounds is not None:
                 # the host's tokens now are the ones the step ran on: its bound must have held
@@ -489,13 +488,13 @@ class SteerlingEngine(EngineRuntime):
                     req.seq[q] = self.cfg.eos_id
             if eot or self.cfg.mask_id not in req.seq[start:end]:
                 closed.append((req, b, eot))
-        for req, b, eot in closed:
-            self._close_block(req, b, eot)
-        for req in advance:
-            req.pending_commit = False
+        # every close first (finished requests free their pages), then the others move on
+        continuing = [req for req, b, eot in closed if self._close_block(req, b, eot)]
+        for req in continuing:
             self._advance(req)
 
-    def _close_block(self, req: BlockRequest, b: int, eot: bool) -> None:
+    def _close_block(self, req: BlockRequest, b: int, eot: bool) -> bool:
+        """Report the closed block; finish the request if it ends there. True if it goes on."""
         start, end = req.block_range(b)
         first = max(start, len(req.prompt))
         records = (RawRecords(*(torch.from_numpy(np.concatenate(parts)) for parts in zip(*req.block_records)))
@@ -508,11 +507,15 @@ class SteerlingEngine(EngineRuntime):
                                      next_step=req.step))
         if reason is not None:
             self.table.finish(req, reason)
-        else:
-            req.pending_commit = True
+            return False
+        return True
 
     def _advance(self, req: BlockRequest) -> None:
+        """The next block becomes active; its page is taken now, unless another request's advance
+        in the same step preempted this one (readmission then allocates its pages)."""
         req.active += 1
+        if req not in self.table.running:
+            return
         if not self.table.ensure_pages(req, req.active + 1, may_preempt_itself=False):
             # nothing left to preempt: wait for pages (kept state; recomputed on readmission)
             self.table.preempt(req)
