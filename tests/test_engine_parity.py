@@ -261,3 +261,35 @@ def test_confidence_thresholds_with_steering_equal_the_reference(overlap, seed):
     assert len(commits) >= 3, f"seed {seed}: the threshold never split a step's commits ({sorted(commits)})"
     assert (engine.overlapped_steps > 0) == overlap, f"seed {seed}"
     check_against_reference(model, engine, submitted)
+
+
+def test_a_closed_blocks_next_decode_row_joins_its_commit_step_only_while_steps_are_small(seed):
+    """A lone request's block boundaries cost no forward (its commit row and next decode row share
+    a step: one forward per token at one token per step); five requests in lockstep close their
+    blocks together, and their decode rows wait a step rather than grow the batch into the next
+    row bucket. Both equal the reference."""
+    model = make_model(seed, TINY.replace(eot_id=None))
+    rng = random.Random(seed)
+    for n_requests, folded in ((1, True), (5, False)):
+        engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64)
+        widths = []
+        real_plan = engine._plan
+
+        def plan():
+            rows = real_plan()
+            widths.append(len(rows))
+            return rows
+
+        engine._plan = plan
+        submitted = {}
+        for i in range(n_requests):
+            prompt = [rng.randrange(256) for _ in range(64)]     # whole blocks: decoding starts at a boundary
+            opts = DecodeOptions(128, SamplingParams(), seed=seed + i)
+            submitted[f"f{i}"] = (prompt, opts, None, engine.submit(f"f{i}", prompt, opts))
+        engine.run_until_idle()
+        check_against_reference(model, engine, submitted)
+        if folded:
+            assert engine.forwards == 128 and max(widths) == 2, (seed, engine.forwards, widths)
+        else:   # 2 blocks: 1 boundary, a step of commit rows only
+            # (the first step: the prompts' commit rows with their decode rows, as prefill always does)
+            assert engine.forwards == 128 + 1 and max(widths[1:]) == n_requests, (seed, engine.forwards, widths)

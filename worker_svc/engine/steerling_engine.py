@@ -5,9 +5,9 @@ Each call to `step()` builds one batch of 64-token rows from the running request
   cache contributes commit rows for those blocks (chunked by `max_prefill_rows`) and, once
   they are all in, its decode row in the same step;
 - a request whose active block just finished contributes one commit row (its final K/V),
-  unless that block ends the request (nobody will attend to it), and in the same step the
-  decode row of its next block, which reads the commit row's page (every row writes its K/V
-  before any row attends): a block boundary costs the request no step of its own;
+  unless that block ends the request (nobody will attend to it); the decode row of its next
+  block, which reads the commit row's page (every row writes its K/V before any row attends),
+  joins that step when the row costs little (`_fold_decode_row`), else comes a step later;
 - every other request contributes its active block as a decode row.
 Requests join and leave between any two steps. When a request needs a page and none is
 free, the most recently admitted request is preempted: its pages are freed and it is
@@ -66,6 +66,9 @@ __all__ = ["BlockEvent", "BlockRequest", "BlockRow", "FinishEvent", "SteerlingEn
 _ARANGE_BLOCK = np.arange(BLOCK, dtype=np.int64)
 
 PAGE_BUCKETS = (2, 4, 8, 16, 32, 64)
+# Up to this many rows a step is bound by reading the weights (8B dims on an H200: 5.7 ms for 1
+# row, 8.8 ms for 4): a closed block's next decode row joins its commit row's step (`_plan`).
+FOLD_ROWS = 4
 TOKENS_PER_STEP_BUCKETS = (1, 4, 16, 64)
 # Head rows per step: fine below one block (a lone request's last masks), then whole blocks.
 # Never 1: the compiled confidence pass would specialize on a size-1 dimension.
@@ -121,8 +124,13 @@ class BlockRequest(TrackedRequest):
     def block_range(self, b: int) -> tuple[int, int]:
         return b * BLOCK, min((b + 1) * BLOCK, self.gen_end)
 
+    # its active block's predecessor just closed and awaits its commit row: the active block's
+    # decode row may or may not join that step (SteerlingEngine._fold_decode_row)
+    closed_block: bool = False
+
     def forget_kv(self) -> None:
         self.kv_blocks = 0
+        self.closed_block = False
 
 
 class BlockRow(NamedTuple):
@@ -308,19 +316,40 @@ class SteerlingEngine(EngineRuntime):
 
     def _plan(self) -> list[BlockRow]:
         """The rows of this step, in running order."""
-        rows: list[BlockRow] = []
+        groups: list[tuple[list[BlockRow], BlockRow | None]] = []   # a request's rows, its optional decode row
         prefill_budget = self.max_prefill_rows
         for req in self.table.running:
+            rows: list[BlockRow] = []
             # blocks whose final K/V must be in the cache before the request can decode on (its
             # prompt, recomputation after preemption, or the block it just finished)
             if req.kv_blocks < req.active:
                 n = min(req.active - req.kv_blocks, max(prefill_budget, 1))
                 prefill_budget -= n
-                rows += [BlockRow(req, b, False) for b in range(req.kv_blocks, req.kv_blocks + n)]
+                rows = [BlockRow(req, b, False) for b in range(req.kv_blocks, req.kv_blocks + n)]
                 if req.kv_blocks + n < req.active:
+                    groups.append((rows, None))
                     continue
-            rows.append(BlockRow(req, req.active, True))
-        return rows
+                if req.closed_block:
+                    groups.append((rows, BlockRow(req, req.active, True)))
+                    continue
+            groups.append((rows + [BlockRow(req, req.active, True)], None))
+        n_rows = sum(len(g) for g, _ in groups)
+        planned: list[BlockRow] = []
+        for rows, optional in groups:
+            planned += rows
+            if optional is not None and self._fold_decode_row(n_rows):
+                planned.append(optional)
+                n_rows += 1
+        return planned
+
+    @staticmethod
+    def _fold_decode_row(n_rows: int) -> bool:
+        """Whether a step of `n_rows` rows takes one more: the decode row of a request whose block
+        closed, beside its commit row. Yes while the step is small (FOLD_ROWS: it is bound by the
+        weights' reads, and a row costs a fraction of the step the request would otherwise skip)
+        or the row fills padding of the step's row bucket; else the request decodes a step later
+        (a batch that grew into the next bucket would cost every row more)."""
+        return n_rows + 1 <= FOLD_ROWS or bucket(n_rows + 1, ROW_BUCKETS) == bucket(n_rows, ROW_BUCKETS)
 
     def _launch(self, rows: list[BlockRow], overlapped: bool = False) -> LaunchedStep:
         """Build the step's inputs, run it on the device and start the copy of its results.
@@ -456,6 +485,8 @@ class SteerlingEngine(EngineRuntime):
                 continue
             if not is_decode:
                 req.kv_blocks = max(req.kv_blocks, b + 1)
+                if req.kv_blocks >= req.active:
+                    req.closed_block = False
                 continue
             if head_bounds is not None:
                 # the host's tokens now are the ones the step ran on: its bound must have held
@@ -516,6 +547,7 @@ class SteerlingEngine(EngineRuntime):
         req.active += 1
         if req not in self.table.running:
             return
+        req.closed_block = True
         if not self.table.ensure_pages(req, req.active + 1, may_preempt_itself=False):
             # nothing left to preempt: wait for pages (kept state; recomputed on readmission)
             self.table.preempt(req)
