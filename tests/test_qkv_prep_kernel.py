@@ -64,7 +64,8 @@ for seed in range(first_seed, first_seed + 3):
         args = (1e-5, cos, sin, h, kv, hd, clip)
         want = kernels.qkv_prep(qkv, qw, kw, *args)
         moved = [z.to(device) for z in (qkv, qw, kw, cos, sin)]
-        got = [z.cpu() for z in qkv_prep(moved[0], moved[1], moved[2], 1e-5, moved[3], moved[4], h, kv, hd, clip)]
+        out = qkv_prep(moved[0], moved[1], moved[2], 1e-5, moved[3], moved[4], h, kv, hd, clip)
+        got = [z.cpu() for z in out]   # (a copy off the GPU is compacted: the layout is checked on `out`)
         if device == "cuda":   # the engine's path: the dispatcher must take the kernel, not the fallback
             def refuse(*a):
                 raise AssertionError("dispatching fell back on CUDA")
@@ -77,7 +78,7 @@ for seed in range(first_seed, first_seed + 3):
         report["v_exact"] &= torch.equal(got[2], want[2])
         # eager's layout: heads of a token adjacent (transposed views of (B, T, heads, hd)), last dim contiguous
         report["layout"] &= all(x.shape == y.shape and x.stride()[1:] == (hd, x.stride(2), 1)
-                                and x.stride(2) >= y.stride(2) for x, y in zip(got, want))
+                                and x.stride(2) >= y.stride(2) for x, y in zip(out, want))
         # wrong references the tolerance must reject: no clamp, wrong rotation half, k with q's weights
         qr, kr, vr = heads(qkv, h, kv, hd)
         unclamped_q = kernels.apply_rope(kernels.rms_norm(qr, qw, 1e-5), cos, sin)

@@ -229,6 +229,11 @@ def _next_power_of_2(n: int) -> int:
 SPLIT_WAVES = 2              # aim for ~2 programs per SM
 MIN_PAGES_PER_SPLIT = 2      # a split of one page is mostly merge overhead
 MAX_SPLITS = 32
+# Block rows split only past this many pages: their partials are 64 queries x head_dim fp32 per
+# split, so at short contexts the merge costs more than the parallelism gains (H200, one row,
+# bench/results/kernels-micro-h200-67ea389.json: 4 pages 7.3 us unsplit vs 10.0 split in 2; 8 pages
+# 11.4 vs 11.7; 16 pages 19.6 vs 17.2 split in 8)
+BLOCK_SPLIT_MIN_PAGES = 9
 
 
 @functools.cache
@@ -347,7 +352,8 @@ def block_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor, n_
     """
     r, n_h, n_q, d = q.shape
     n_kv, page = k_pool.shape[2], k_pool.shape[1]
-    splits = splits or split_count(r * n_h, pages.shape[1], q.device)
+    if not splits:
+        splits = 1 if pages.shape[1] < BLOCK_SPLIT_MIN_PAGES else split_count(r * n_h, pages.shape[1], q.device)
     out = torch.empty(r, n_q, n_h, d, dtype=q.dtype, device=q.device)
     if q.stride(3) != 1:
         q = q.contiguous()
