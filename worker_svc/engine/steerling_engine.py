@@ -34,8 +34,9 @@ step, head rows) would be their product, thousands of keys: the lockstep warm-up
 dozen, and traffic whose requests start at different times (a closed loop of users, each
 submitting as its last request finishes) kept meeting new ones, each a capture of a few step
 times inside serving. Split, the keys are few enough that `warmup` captures every one up to
-`capture_rows` rows (`capture_plan`); a step with more rows runs eagerly (at that size the GPU
-time, not the launches, bounds it), so nothing is captured while serving.
+`capture_rows` rows (`capture_plan`, `capturable`: also at most 4 x capture_rows sampled positions);
+a larger step runs eagerly (at that size the GPU time, not the launches, bounds it), so nothing is
+captured while serving.
 """
 
 from __future__ import annotations
@@ -86,15 +87,30 @@ def graph_keys(rb: int, pb: int, tokens_per_step: int, hb: int) -> list[tuple]:
     return [("trunk", rb, pb)] + ([("heads", rb, tokens_per_step, hb)] if hb else [])
 
 
+# CUDA graphs serve a step only while rows x tokens per step <= capture_rows x this: the sampler's
+# transients grow with the positions it draws at ((rows x tokens per step) x vocab in fp32, several
+# times over), and the graphs keep their pool's peak (at 8B dims, 48 rows x 64 tokens per step
+# filled an H200 beside the KV cache). A step past it runs eagerly, GPU-bound at that size anyway.
+SAMPLED_PER_ROW = 4
+
+
+def capturable(rb: int, tokens_per_step: int, capture_rows: int) -> bool:
+    """Whether a step of `rb` rows and `tokens_per_step` runs from CUDA graphs."""
+    return rb <= capture_rows and rb * tokens_per_step <= capture_rows * SAMPLED_PER_ROW
+
+
 def capture_plan(max_rows: int, max_pages: int, tokens_per_step_buckets: tuple[int, ...]) -> list[tuple]:
-    """Every graph key of steps with at most `max_rows` rows and `max_pages` pages per row, largest
-    first: the graphs share one memory pool, and smaller captures reuse what the larger left."""
+    """Every graph key of the `capturable` steps with at most `max_pages` pages per row (max_rows
+    = capture_rows), largest first: the graphs share one memory pool, and smaller captures reuse
+    what the larger left."""
+    max_rows = bucket(max_rows, ROW_BUCKETS)
     keys: list[tuple] = []
     for rb in ROW_BUCKETS:
-        if rb > bucket(max_rows, ROW_BUCKETS):
+        if rb > max_rows:
             break
         keys += [("trunk", rb, pb) for pb in PAGE_BUCKETS if pb <= bucket(max_pages, PAGE_BUCKETS)]
-        keys += [("heads", rb, tps, hb) for tps in tokens_per_step_buckets for hb in head_buckets_for(rb)]
+        keys += [("heads", rb, tps, hb) for tps in tokens_per_step_buckets if capturable(rb, tps, max_rows)
+                 for hb in head_buckets_for(rb)]
     return keys[::-1]
 
 
@@ -163,7 +179,7 @@ class SteerlingEngine(EngineRuntime):
         self.last_heads = (0, 0)    # the last launched step's (candidate bound N, head rows HB)
         # CUDA graphs serve steps of at most this many rows (bucketed); warm-up captures them all
         self.capture_rows = bucket(capture_rows, ROW_BUCKETS)
-        self.eager_steps = 0        # steps with CUDA graphs on that ran eagerly (more rows than capture_rows)
+        self.eager_steps = 0        # steps with CUDA graphs on that ran eagerly (not `capturable`)
         self._handoff: dict[int, tuple[Tensor, Tensor]] = {}   # row bucket -> trunk graphs' (tokens, hidden)
         self._idle: dict[tuple[int, int], Tensor] = {}         # (rows, width) -> results of a step without heads
         # Overlapped steps: their tokens come from the device's block-token table.
@@ -434,7 +450,7 @@ class SteerlingEngine(EngineRuntime):
 
     def _execute_device(self, rb: int, pb: int, hb: int, layout: BlockResultLayout, fwd: ForwardInputs,
                         smp: SamplerInputs) -> Tensor:
-        if self._graphs is None or rb > self.capture_rows:
+        if self._graphs is None or not capturable(rb, layout.tokens_per_step, self.capture_rows):
             if self._graphs is not None:
                 self.eager_steps += 1
             return self.runner.step(layout, fwd, smp, hb)
