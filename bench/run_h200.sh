@@ -128,7 +128,9 @@ case "$stage" in
   services)
     # Redis, steering, attribution, scheduler, one worker (random 8B-dims weights, bf16, compiled, CUDA
     # graphs), gateway; locust streams POST /v1/completions at C = 1, 8, 32, then the in-process engine
-    python3 -m bench.services --out "$OUT/services-steerling-8b-h200-$short.json" 2>&1 | grep -v Warning \
+    # 8,192 KV pages for worker and engine alike (the load needs ~200): sized from free memory the
+    # worker's pool left too little for its CUDA-graph warm-up at dd20102 (OOM at start-up)
+    python3 -m bench.services --kv-pages 8192 --out "$OUT/services-steerling-8b-h200-$short.json" 2>&1 | grep -v Warning \
       | tee "$OUT/services-steerling-8b-h200-$short.txt" ;;
   anchor)
     python3 bench/anchor_steerling_ref.py 2>&1 | tee "$OUT/anchor-steerling-ref-h200-$short.txt" ;;

@@ -141,6 +141,8 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
     worker_args = ["--random-weights", str(args.seed)]
     if cuda:
         worker_args += ["--dtype", "bfloat16", "--cuda-graphs"] + ([] if args.no_compile else ["--compile"])
+    if args.kv_pages:
+        worker_args += ["--kv-pages", str(args.kv_pages)]
     ns = argparse.Namespace(model_dir=str(model_dir), device="cuda" if cuda else "cpu", workers=1, host="127.0.0.1",
                             http_port=0, grpc_port=0, run_dir=str(work / "run"), timeout=args.startup_timeout,
                             worker_args=worker_args)
@@ -293,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="random weights (worker and engine alike)")
     ap.add_argument("--engine-repeats", type=int, default=3)
     ap.add_argument("--kv-pages", type=int, default=0,
-                    help="the in-process engine's KV pages (0 = the engine's default, as the worker sizes its own)")
+                    help="KV pages of the worker and the in-process engine alike (0 = each sizes its own from free memory)")
     ap.add_argument("--startup-timeout", type=float, default=480.0, help="seconds for the stack to get healthy")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-engine", action="store_true", help="only the services path")

@@ -41,6 +41,7 @@ captured while serving.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -65,6 +66,7 @@ __all__ = ["BlockEvent", "BlockRequest", "BlockRow", "FinishEvent", "SteerlingEn
            "TOKENS_PER_STEP_BUCKETS"]
 
 _ARANGE_BLOCK = np.arange(BLOCK, dtype=np.int64)
+log = logging.getLogger(__name__)
 
 PAGE_BUCKETS = (2, 4, 8, 16, 32, 64)
 # Up to this many rows a step is bound by reading the weights (8B dims on an H200: 5.7 ms for 1
@@ -254,15 +256,26 @@ class SteerlingEngine(EngineRuntime):
         only the scratch page and slot); returns how many."""
         new = 0
         for key in self.capture_plan():
-            if key in self._graphs.graphs:
+            rb = key[1]
+            if key in self._graphs.graphs or rb > self.capture_rows:
                 continue
-            if key[0] == "trunk":
-                _, rb, pb = key
-                self._trunk_graph(rb, pb, self.runner.neutral_inputs(rb, pb)[0])
-            else:
-                _, rb, tps, hb = key
-                self._heads_graph(rb, hb, BlockResultLayout(tps, self.topk_known, self.topk_discovered),
-                                  self.runner.neutral_head_inputs(rb), self.runner.neutral_inputs(rb, 1)[1])
+            try:
+                if key[0] == "trunk":
+                    self._trunk_graph(rb, key[2], self.runner.neutral_inputs(rb, key[2])[0])
+                else:
+                    _, _, tps, hb = key
+                    self._heads_graph(rb, hb, BlockResultLayout(tps, self.topk_known, self.topk_discovered),
+                                      self.runner.neutral_head_inputs(rb), self.runner.neutral_inputs(rb, 1)[1])
+            except torch.OutOfMemoryError:
+                # the KV pool left too little for this bucket: serve it (and larger) eagerly instead
+                smaller = [b for b in ROW_BUCKETS if b < rb]
+                if not smaller:
+                    raise
+                log.warning("CUDA graphs: out of memory capturing %s; steps of more than %d rows run eagerly "
+                            "(a smaller --kv-pages or --capture-rows avoids this)", key, smaller[-1])
+                self.capture_rows = smaller[-1]
+                torch.cuda.empty_cache()
+                continue
             new += 1
         return new
 
