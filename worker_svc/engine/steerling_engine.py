@@ -251,6 +251,8 @@ class SteerlingEngine(EngineRuntime):
         """The graph keys `capture_graphs` captures: every step of at most capture_rows rows."""
         return capture_plan(self.capture_rows, -(-self.cfg.block_size // BLOCK), self.tokens_per_step_buckets)
 
+    @torch.no_grad()   # (called from warmup, outside the step loop's no_grad: with autograd on, the
+    # handoff buffers' grad_fn kept every captured trunk's activations alive, ~85 GB at 8B dims)
     def capture_graphs(self) -> int:
         """Capture every key of `capture_plan` not captured yet, on all-padding inputs (they touch
         only the scratch page and slot); returns how many."""
