@@ -153,8 +153,13 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
         stack.start()
         print(f"stack healthy in {time.perf_counter() - t:.0f} s: {stack.base_url}", flush=True)
         t = time.perf_counter()
-        for c in concs:
-            warm_services(stack.base_url, c, args.prompt_tokens, args.new_tokens, bound)
+        try:
+            for c in concs:
+                warm_services(stack.base_url, c, args.prompt_tokens, args.new_tokens, bound)
+        except Exception:   # a request failed: what the services logged says why
+            for svc in stack.services:
+                print(f"---- {svc.name} log tail\n{stack.log_tail(svc, 60)}", flush=True)
+            raise
         print(f"services warm-up {time.perf_counter() - t:.0f} s", flush=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", CDE_LOAD_PROMPT_TOKENS=str(args.prompt_tokens),
                    CDE_LOAD_MAX_TOKENS=str(args.new_tokens), CDE_LOAD_TOKEN_BOUND=str(bound))
