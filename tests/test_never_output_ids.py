@@ -189,3 +189,38 @@ def test_causal_never_output_ids_never_include_a_stop_id():
     assert never_output_ids(tiny) == [509, 511]
     assert never_output_ids(tiny, 505) == [505, 506, 507, 508, 509, 511]   # eos 510 stays samplable
     assert never_output_ids(IDLM_TINY, 260) == [IDLM_TINY.mask_token_id]   # its BOS is a stop id
+
+
+def test_the_tokenizers_holes_are_never_sampled_by_the_engine(seed):
+    """cl100k leaves 16 ids among its specials unassigned (decoding one is an error, which the
+    gateway would answer with 500): the worker passes `Tokenizer.unassigned_ids()` to the engine
+    as never_output_ids. Here the ids a first run sampled most are banned and a second run with
+    the same seeds samples none of them."""
+    model = SteerlingModel(TINY).init_random(seed % 1000, std=0.05).eval()
+    prompt = list(range(1, 40))
+    opts = DecodeOptions(96, SamplingParams(temperature=1.0), seed=seed)
+    first = SteerlingEngine(model, tokenizer_vocab_size=STEERLING_VOCAB, n_pages=16)
+    h = first.submit("a", prompt, opts)
+    first.run_until_idle()
+    out = [e for e in first.drain(h) if isinstance(e, FinishEvent)][0].output_tokens
+    holes = tuple(sorted(set(out), key=out.count)[-3:])
+    assert holes, f"seed={seed}"
+    second = SteerlingEngine(model, tokenizer_vocab_size=STEERLING_VOCAB, n_pages=16, never_output_ids=holes)
+    h = second.submit("a", prompt, opts)
+    second.run_until_idle()
+    again = [e for e in second.drain(h) if isinstance(e, FinishEvent)][0].output_tokens
+    assert again and not set(again) & set(holes), f"seed={seed}: {holes} sampled again"
+
+
+def test_cl100k_unassigned_ids_are_the_holes_among_its_specials():
+    from cde.steerling.tokenizer import Cl100kTokenizer
+    import os
+    path = os.environ.get("CDE_CL100K_BPE")
+    if not path or not os.path.isfile(path):
+        pytest.skip("needs the real cl100k_base.tiktoken (CDE_CL100K_BPE)")
+    tok = Cl100kTokenizer(path)
+    holes = tok.unassigned_ids()
+    assert holes == [100256, *range(100261, 100276)], holes
+    for i in holes:
+        with pytest.raises(ValueError, match="not assigned"):
+            tok.decode_bytes([i])

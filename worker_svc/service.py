@@ -261,8 +261,10 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
             log.warning("BENCHMARK MODE: random weights (seed %d), not a trained model", opts.random_weights)
             model = await asyncio.to_thread(load_random_model, model_dir, opts.random_weights, dtype=dtype,
                                             device=opts.device)
-        token_limit = load_model_tokenizer(model.cfg, model_dir).vocab_size
+        tokenizer = load_model_tokenizer(model.cfg, model_dir)
+        token_limit = tokenizer.vocab_size
         engine = SteerlingEngine(model, tokenizer_vocab_size=token_limit, max_slots=opts.max_slots,
+                                 never_output_ids=tuple(tokenizer.unassigned_ids()),
                                  n_pages=opts.kv_pages, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
                                  capture_rows=opts.capture_rows)
         family = BlockDiffusionFamily(engine, token_limit, model_name)

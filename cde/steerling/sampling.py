@@ -14,6 +14,8 @@ Every function works on (N, V) rows so the engine can run the whole batch at onc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 
 import torch
@@ -150,7 +152,7 @@ def draw(filtered: Tensor, sorted_ids: Tensor, u: Tensor) -> Tensor:
     return sorted_ids.gather(1, j).squeeze(1)
 
 
-def banned_ids(cfg, tokenizer_vocab_size: int | None, device=None) -> Tensor:
+def banned_ids(cfg, tokenizer_vocab_size: int | None, device=None, unassigned: Sequence[int] = ()) -> Tensor:
     """The ids that are never output, so never sampled (EOS is banned separately, in `adjust_logits`).
 
     Mask and pad (the public package's bans), BOS (prompts are encoded without it and the
@@ -158,7 +160,7 @@ def banned_ids(cfg, tokenizer_vocab_size: int | None, device=None) -> Tensor:
     and embedding-table padding rows the tokenizer can never decode. `<|endofchunk|>` and the
     chat header ids stay: they are output tokens (a chunk boundary, a turn marker) that add no text.
     """
-    ids = [cfg.mask_id, cfg.pad_id, cfg.bos_id]
+    ids = [cfg.mask_id, cfg.pad_id, cfg.bos_id, *unassigned]   # unassigned: the tokenizer's holes (Tokenizer.unassigned_ids)
     if tokenizer_vocab_size is not None:
         ids += list(range(tokenizer_vocab_size, cfg.vocab_size))
     return torch.tensor(sorted(set(ids)), dtype=torch.long, device=device)

@@ -127,6 +127,11 @@ class Tokenizer(ABC):
             stops.add(self.eot_id)
         self.stop_ids = frozenset(stops)
 
+    def unassigned_ids(self) -> list[int]:
+        """Ids below vocab_size that decode to nothing (neither a token nor a special): never to be
+        sampled. Empty for tokenizers whose ids are dense."""
+        return []
+
     @property
     def special_tokens(self) -> dict[str, int]:
         """Spelling -> id of every special token (a copy)."""
@@ -289,6 +294,9 @@ class Cl100kTokenizer(Tokenizer):
             )
         ranks = _read_bpe_file(path, expected_sha256)
         n = max(ranks.values()) + 1
+        if len(ranks) != n:
+            raise ValueError(f"{path}: the BPE ranks are not 0 .. {n - 1}")
+        self._n_ranks = n
         special = {s: n + off for s, off in _CL100K_SPECIAL_OFFSETS.items()}
         base = max(special.values()) + 1
         extra = ["<|pad|>", "<|bos|>", "<|endofchunk|>", "<|mask|>"]
@@ -319,6 +327,10 @@ class Cl100kTokenizer(Tokenizer):
         except (KeyError, OverflowError):
             bad_id = next(i for i in ids if not self._is_rank(i))
             raise ValueError(f"token id {bad_id} is not assigned in {self.name}") from None
+
+    def unassigned_ids(self) -> list[int]:
+        """cl100k's holes among its own specials (n, n+5 .. n+19 for n = its 100,256 ranks)."""
+        return [i for i in range(self._n_ranks, self.vocab_size) if i not in self._special_text and not self._is_rank(i)]
 
     def _is_rank(self, i: int) -> bool:
         try:

@@ -163,7 +163,7 @@ class SteerlingEngine(EngineRuntime):
     def __init__(self, model: SteerlingModel, *, tokenizer_vocab_size: int | None = None, max_slots: int = 64,
                  n_pages: int | None = None, max_prefill_rows: int = 32, compile: bool = False,
                  cuda_graphs: bool = False, kv_fraction: float = 0.85, overlap: bool = True,
-                 capture_rows: int = 48):
+                 capture_rows: int = 48, never_output_ids: tuple[int, ...] = ()):
         self.model = model.eval()
         self.cfg = model.cfg
         p = next(model.parameters())
@@ -171,7 +171,9 @@ class SteerlingEngine(EngineRuntime):
         kv = KVCache.sized_from_free_memory(self.cfg, self.dtype, p.device, kv_fraction, n_pages)
         super().__init__(kv, p.device, max_slots=max_slots, overlap=overlap)
         self.tables = DeviceTables(max_slots + 1, self.cfg.n_embd, self.cfg.vocab_size, self.dtype, self.device)
-        self.runner = StepRunner(model, self.kv, self.tables, banned_ids(self.cfg, tokenizer_vocab_size, self.device))
+        # never sampled: the model's own bans, ids past the tokenizer and the tokenizer's holes
+        banned = banned_ids(self.cfg, tokenizer_vocab_size, self.device, never_output_ids)
+        self.runner = StepRunner(model, self.kv, self.tables, banned)
         self.max_prefill_rows = max_prefill_rows
         self.want_records = True   # copy raw concept records to the host (off only in benchmarks)
         self.topk_known = min(self.cfg.topk_known, self.cfg.n_known)
