@@ -26,7 +26,7 @@ from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions
 from cde.steerling.sampling import SamplingParams
-from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine, capturable, graph_keys
+from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine, graph_keys
 
 
 def census(concurrency: int, steps: int, prompt_tokens: int = 128, new_tokens: int = 256, seed: int = 0) -> dict:
@@ -38,7 +38,7 @@ def census(concurrency: int, steps: int, prompt_tokens: int = 128, new_tokens: i
 
     def recording(rb, pb, hb, layout, fwd, smp):
         launched[0] += 1
-        keys.extend(graph_keys(rb, pb, layout.tokens_per_step, hb))
+        keys.extend(graph_keys(rb, pb, layout.tokens_per_step, hb, engine.capture_rows))
         return execute(rb, pb, hb, layout, fwd, smp)
 
     engine._execute_device = recording
@@ -70,8 +70,7 @@ def census(concurrency: int, steps: int, prompt_tokens: int = 128, new_tokens: i
     closed = set(keys)
     unseen = sorted(closed - lockstep)
     plan = set(engine.capture_plan())
-    uncaptured = sorted(k for k in closed | lockstep if k not in plan and capturable(k[1], k[2] if k[0] == "heads" else 1,
-                                                                                       engine.capture_rows))
+    uncaptured = sorted(k for k in closed | lockstep if k[0] != "eager" and k not in plan)
     return {"concurrency": concurrency, "closed_loop_steps": launched[0], "lockstep_keys": sorted(lockstep),
             "closed_loop_keys": sorted(closed), "closed_loop_keys_not_in_lockstep": unseen,
             "closed_loop_graph_replays_on_those_keys": sum(k in set(unseen) for k in keys),

@@ -17,7 +17,7 @@ from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions
 from cde.steerling.sampling import SamplingParams
 from worker_svc.engine.runtime import ROW_BUCKETS, bucket
-from worker_svc.engine.steerling_engine import (FinishEvent, SteerlingEngine, capturable, capture_plan, graph_keys,
+from worker_svc.engine.steerling_engine import (FinishEvent, SteerlingEngine, capture_plan, graph_keys,
                                                 head_buckets_for)
 
 
@@ -26,10 +26,7 @@ def _recording(engine: SteerlingEngine) -> list[tuple]:
     execute = engine._execute_device
 
     def recording(rb, pb, hb, layout, fwd, smp):
-        if capturable(rb, layout.tokens_per_step, engine.capture_rows):   # else the step runs eagerly
-            keys.extend(graph_keys(rb, pb, layout.tokens_per_step, hb))
-        else:
-            keys.append(("eager", rb, layout.tokens_per_step))
+        keys.extend(graph_keys(rb, pb, layout.tokens_per_step, hb, engine.capture_rows))
         return execute(rb, pb, hb, layout, fwd, smp)
 
     engine._execute_device = recording

@@ -15,7 +15,6 @@ Every function works on (N, V) rows so the engine can run the whole batch at onc
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from dataclasses import dataclass
 
 import torch

@@ -83,12 +83,6 @@ def head_buckets_for(row_bucket: int) -> tuple[int, ...]:
     return tuple(b for b in HEAD_BUCKETS if b <= BLOCK * row_bucket)
 
 
-def graph_keys(rb: int, pb: int, tokens_per_step: int, hb: int) -> list[tuple]:
-    """The CUDA graphs a step replays: the trunk's, and the heads and sampler's unless it has no
-    decode row (hb = 0)."""
-    return [("trunk", rb, pb)] + ([("heads", rb, tokens_per_step, hb)] if hb else [])
-
-
 # CUDA graphs serve a step only while rows x tokens per step <= capture_rows x this: the sampler's
 # transients grow with the positions it draws at ((rows x tokens per step) x vocab in fp32, several
 # times over), and the graphs keep their pool's peak (at 8B dims, 48 rows x 64 tokens per step
@@ -99,6 +93,14 @@ SAMPLED_PER_ROW = 4
 def capturable(rb: int, tokens_per_step: int, capture_rows: int) -> bool:
     """Whether a step of `rb` rows and `tokens_per_step` runs from CUDA graphs."""
     return rb <= capture_rows and rb * tokens_per_step <= capture_rows * SAMPLED_PER_ROW
+
+
+def graph_keys(rb: int, pb: int, tokens_per_step: int, hb: int, capture_rows: int) -> list[tuple]:
+    """The CUDA graphs a step replays: the trunk's, and the heads and sampler's unless it has no
+    decode row (hb = 0); [("eager", rb, tokens_per_step)] for a step that is not `capturable`."""
+    if not capturable(rb, tokens_per_step, capture_rows):
+        return [("eager", rb, tokens_per_step)]
+    return [("trunk", rb, pb)] + ([("heads", rb, tokens_per_step, hb)] if hb else [])
 
 
 def capture_plan(max_rows: int, max_pages: int, tokens_per_step_buckets: tuple[int, ...]) -> list[tuple]:
@@ -139,12 +141,12 @@ class BlockRequest(TrackedRequest):
     block_records: list = field(default_factory=list)
     stream_steps: bool = True        # a StepEvent per step (else only blocks and the finish)
 
-    def block_range(self, b: int) -> tuple[int, int]:
-        return b * BLOCK, min((b + 1) * BLOCK, self.gen_end)
-
     # its active block's predecessor just closed and awaits its commit row: the active block's
     # decode row may or may not join that step (SteerlingEngine._fold_decode_row)
     closed_block: bool = False
+
+    def block_range(self, b: int) -> tuple[int, int]:
+        return b * BLOCK, min((b + 1) * BLOCK, self.gen_end)
 
     def forget_kv(self) -> None:
         self.kv_blocks = 0
