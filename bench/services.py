@@ -178,11 +178,14 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
                  "duration_s": args.duration, **summarize_load(lines, c),
                  # shape buckets the warm-up did not capture: each costs a capture inside the run
                  "worker_graph_captures": after.graphs - before.graphs,
-                 "worker_recompiles": after.compiles - before.compiles, "worker_steps": after.steps - before.steps}
+                 "worker_recompiles": after.compiles - before.compiles, "worker_steps": after.steps - before.steps,
+                 # steps launched before the previous one's results were read (the rest idle the GPU)
+                 "worker_overlapped_steps": after.overlapped_steps - before.overlapped_steps}
             runs.append(r)
             print(f"services C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s']:.3f}s  "
                   f"inter-block {r['inter_block_s'] or 0:.3f}s  tail {r['stream_tail_s'] or 0:.3f}s  requests {r['requests']}"
-                  f"  worker graph captures {r['worker_graph_captures']} recompiles {r['worker_recompiles']}",
+                  f"  worker graph captures {r['worker_graph_captures']} recompiles {r['worker_recompiles']}"
+                  f"  overlapped {r['worker_overlapped_steps']}/{r['worker_steps']} steps",
                   flush=True)
     finally:
         stack.stop()
@@ -256,16 +259,17 @@ def engine_runs(args, cfg: SteerlingConfig, concs: list[int], bound: int) -> lis
     # the same engine under the services' closed-loop arrivals (requests out of phase: other row
     # and head buckets, some of which the lockstep runs above never captured)
     for c in concs:
-        g0, c0 = engine.stats().graphs, engine.compiles
+        g0, c0, s0, o0 = engine.stats().graphs, engine.compiles, engine.steps, engine.overlapped_steps
         lines = closed_loop(engine, c, args.duration, args.prompt_tokens, args.new_tokens, bound, args.seed + c)
         r = {"path": "engine-closed-loop", "concurrency": c, "prompt_tokens": args.prompt_tokens,
              "new_tokens": args.new_tokens, "attribution": False, "steering": False, "stride": None,
              "duration_s": args.duration, **summarize_load(lines, c),
-             "graph_captures": engine.stats().graphs - g0, "recompiles": engine.compiles - c0}
+             "graph_captures": engine.stats().graphs - g0, "recompiles": engine.compiles - c0,
+             "steps": engine.steps - s0, "overlapped_steps": engine.overlapped_steps - o0}
         runs.append(r)
         print(f"engine closed loop C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s']:.3f}s  "
               f"inter-block {r['inter_block_s'] or 0:.3f}s  requests {r['requests']}  graph captures "
-              f"{r['graph_captures']}", flush=True)
+              f"{r['graph_captures']}  overlapped {r['overlapped_steps']}/{r['steps']} steps", flush=True)
     return runs
 
 

@@ -107,14 +107,15 @@ def test_heads_run_on_the_bucket_of_the_candidates_only(seed):
         engine.table.finish_cancelled()
         engine.table.admit()
         rows = engine._plan()   # the rows step() is about to run (nothing changes in between)
-        expected = sum(req.seq[slice(*req.block_range(b))].count(model.cfg.mask_id) for req, b, d in rows if d)
+        expected = sum(req.seq[slice(*req.block_range(b))].count(model.cfg.mask_id)
+                       for req, b, d, _ in rows if d)
         before = engine.runner.heads_rows
         engine.step()
         n, hb = engine.last_heads
         assert n == expected, f"seed={seed}: bound {n}, {expected} masked positions"
         assert hb == head_bucket(n, bucket(len(rows), ROW_BUCKETS)) and n <= hb and hb != 1, f"seed={seed}"
         assert engine.runner.heads_rows - before == hb, f"seed={seed}: heads got other rows than HB"
-        n_decode = sum(d for _, _, d in rows)
+        n_decode = sum(row.is_decode for row in rows)
         prefill_only += n_decode == 0
         fewer += 0 < hb < BLOCK * n_decode
         seen_hb.add(hb)
@@ -133,8 +134,8 @@ def test_a_bound_below_the_real_masks_is_caught_on_the_host(seed):
     engine.step()
     rows = engine._plan()
     launched = engine._launch(rows)
-    (i,) = [i for i, (_, _, d) in enumerate(rows) if d]
-    req, b, _ = rows[i]
+    (i,) = [i for i, row in enumerate(rows) if row.is_decode]
+    req, b = rows[i].req, rows[i].block
     assert launched.host_plan[i] == req.seq[slice(*req.block_range(b))].count(model.cfg.mask_id) > 1
     launched.host_plan[i] -= 1
     with pytest.raises(RuntimeError, match="bound"):

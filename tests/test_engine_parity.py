@@ -67,6 +67,36 @@ def test_mixed_batch_with_steering_joins_and_k_per_step(overlap, seed):
     check_against_reference(model, engine, submitted)
 
 
+def test_steps_launch_ahead_through_block_closes_and_arrivals(seed):
+    """Staggered traffic: requests arrive while a step is in flight (as the worker's threads
+    submit), blocks close and requests end at different steps, some steered (amplified with a
+    strength that drops to 0 after 24 tokens, or suppressed with a relu mask), some 4 tokens per
+    step. Every step but the first after an idle spell is launched before the previous one's results are applied -- a closing block's commit row takes
+    the device's tokens, its next block's decode row and an arrival's rows the host's -- and every
+    request still equals the reference decoder alone."""
+    model = make_model(seed, TINY.replace(eot_id=None))   # no early end: every close is foreseen
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64)
+    rng = random.Random(seed)
+    arrivals = sorted(rng.sample(range(1, 100), 5))
+    submitted, i, idle_arrivals = {}, 0, 0
+    while i < len(arrivals) or engine.has_work():
+        if i < len(arrivals) and (engine.steps >= arrivals[i] or not engine.has_work()):
+            idle_arrivals += not engine.has_work()   # an idle engine's next step is the host's
+            prompt = [rng.randrange(256) for _ in range(rng.choice((3, 64, 70, 130)))]
+            opts = DecodeOptions(rng.choice((60, 100, 130)), SamplingParams(), tokens_per_step=rng.choice((1, 4)),
+                                 seed=rng.randrange(1 << 40))
+            st = (None, steer(model, [1, 5, 9]), steer(model, [2, 4], "suppress"))[i % 3]
+            submitted[f"a{i}"] = (prompt, opts, st, engine.submit(f"a{i}", prompt, opts, st))
+            i += 1
+        engine.step()
+        # between steps of a busy engine the next one is already in flight
+        assert engine._inflight is not None or not engine.has_work(), f"seed={seed}: step {engine.steps}"
+    host_built = engine.steps - engine.overlapped_steps
+    assert host_built == idle_arrivals, f"seed={seed}: {host_built} of {engine.steps} steps built from the host"
+    assert engine.stats().pages_used == 0
+    check_against_reference(model, engine, submitted)
+
+
 def test_overlapped_steps_survive_an_eot_that_ends_a_request_early():
     """<|eot_id|> made likely: requests end mid-block while the next step is already running
     (its row then finds the block filled and is dropped); tokens still equal the reference.
@@ -201,7 +231,7 @@ def test_fp32_paged_forward_equals_dense_reference_forward(seed):
     head_rows = captured["rows"]
     checked = 0
     with torch.no_grad():
-        for i, (req, b, is_decode) in enumerate(rows):
+        for i, (req, b, is_decode, _) in enumerate(rows):
             if not is_decode:
                 continue
             start, end = req.block_range(b)
@@ -273,14 +303,14 @@ def test_a_closed_blocks_next_decode_row_joins_its_commit_step_only_while_steps_
     for n_requests, folded in ((1, True), (5, False)):
         engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64)
         widths = []
-        real_plan = engine._plan
+        real_plan = engine._plan_rows   # planned from the host's state or ahead of a step in flight
 
-        def plan():
-            rows = real_plan()
+        def plan(states):
+            rows = real_plan(states)
             widths.append(len(rows))
             return rows
 
-        engine._plan = plan
+        engine._plan_rows = plan
         submitted = {}
         for i in range(n_requests):
             prompt = [rng.randrange(256) for _ in range(64)]     # whole blocks: decoding starts at a boundary

@@ -166,6 +166,7 @@ class BlockDiffusionFamily:
             model=model_name, preset=preset_name(cfg), dtype=dtype, device=device,
             kv_pages_total=stats.pages_total, kv_pages_free=stats.pages_free, running=stats.running,
             waiting=stats.waiting, steps=stats.steps, compiles=stats.compiles, graphs=stats.graphs,
+            overlapped_steps=stats.overlapped_steps,
             diffusion_block_size=cfg.diff_block_size,
             vocab_size=self.token_limit, n_known=cfg.n_known, n_discovered=cfg.n_discovered,
             max_context=cfg.block_size)

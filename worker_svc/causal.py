@@ -169,5 +169,6 @@ class CausalFamily:
         return worker_pb2.WorkerStatus(
             model=model_name, preset=causal_preset_name(cfg), dtype=dtype, device=device,
             kv_pages_total=stats.pages_total, kv_pages_free=stats.pages_free, running=stats.running,
-            waiting=stats.waiting, steps=stats.steps, compiles=stats.compiles, graphs=stats.graphs, vocab_size=self.token_limit,
+            waiting=stats.waiting, steps=stats.steps, compiles=stats.compiles, graphs=stats.graphs,
+            overlapped_steps=stats.overlapped_steps, vocab_size=self.token_limit,
             max_context=cfg.max_positions)

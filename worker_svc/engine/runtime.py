@@ -102,6 +102,7 @@ class EngineStats:
     compiles: int
     preemptions: int
     graphs: int = 0
+    overlapped_steps: int = 0
 
 
 class DecodeStrategy(ABC):
@@ -149,7 +150,8 @@ class DecodeStrategy(ABC):
 
     @abstractmethod
     def _rows_ahead(self, rows: list) -> list | None:
-        """The next step's rows if it can be launched before `rows`' results are applied, else None."""
+        """The next step's rows if it can be launched before `rows`' results are applied, else None
+        (it may admit waiting requests into them)."""
 
     @abstractmethod
     def _launch(self, rows: list, overlapped: bool = False) -> LaunchedStep:
@@ -265,7 +267,8 @@ class EngineRuntime(DecodeStrategy):
         return EngineStats(pages_total=pool.usable, pages_used=pool.used, pages_free=pool.free,
                            running=len(self.table.running), waiting=len(self.table.waiting), steps=self.steps,
                            forwards=self.forwards, compiles=self.compiles, preemptions=self.table.preemptions,
-                           graphs=self._graphs.captures if self._graphs is not None else 0)
+                           graphs=self._graphs.captures if self._graphs is not None else 0,
+                           overlapped_steps=self.overlapped_steps)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):

@@ -153,12 +153,24 @@ class BlockRequest(TrackedRequest):
         self.closed_block = False
 
 
+class RowAhead(NamedTuple):
+    """A request's decode row in the step in flight, as a row of the step planned after it sees
+    it (`SteerlingEngine._rows_ahead`)."""
+
+    block: int      # the block it decodes: this step's row of that block takes the device's tokens
+    commits: int    # tokens it commits: exactly this many (a confidence-threshold row: 1 .. this many)
+    closes: bool    # its block closes (then this step commits it and may decode the next)
+
+
 class BlockRow(NamedTuple):
-    """One 64-token row of a step: a request's block, decoded (sampled) or committed (K/V only)."""
+    """One 64-token row of a step: a request's block, decoded (sampled) or committed (K/V only).
+    ahead: set in a step launched before the previous one's results are applied, for a request
+    that the previous step decodes."""
 
     req: BlockRequest
     block: int
     is_decode: bool
+    ahead: RowAhead | None = None
 
 
 class SteerlingEngine(EngineRuntime):
@@ -302,11 +314,14 @@ class SteerlingEngine(EngineRuntime):
         self.table.ensure_pages(req, req.active + 1, may_preempt_itself=False)   # free: never preempts
         s = req.slot
         self.tables.seen[s] = False
-        ids = torch.tensor([t for t in req.seq if t != self.cfg.mask_id] + [self.cfg.mask_id], device=self.device)
-        self.tables.seen[s, ids] = True
+        # non-blocking copies: an arrival is admitted while the step before it runs (`_rows_ahead`),
+        # and a blocking one would wait for that step before the next could be launched
+        ids = torch.tensor([t for t in req.seq if t != self.cfg.mask_id] + [self.cfg.mask_id])
+        self.tables.seen[s, ids.to(self.device, non_blocking=True)] = True
         st = req.steering
-        self.tables.steer[s] = 0 if st is None else st.direction.to(self.device, self.dtype)
-        self.tables.relu[s] = 0 if st is None or st.relu_mask is None else st.relu_mask.to(self.device)
+        self.tables.steer[s] = 0 if st is None else st.direction.to(self.device, self.dtype, non_blocking=True)
+        self.tables.relu[s] = (0 if st is None or st.relu_mask is None
+                               else st.relu_mask.to(self.device, non_blocking=True))
 
     def _finish_event(self, req: BlockRequest, reason: str, error: str) -> FinishEvent:
         stops = terminal_ids(self.cfg, req.options)
@@ -315,26 +330,61 @@ class SteerlingEngine(EngineRuntime):
 
     # ---- one step (EngineRuntime.step runs them) -----------------------------------------------
     def _rows_ahead(self, rows: list[BlockRow]) -> list[BlockRow] | None:
-        """`rows` again if the next step can be launched before their results are applied, else
-        None. Only when it is sure to be the same decode rows: no arrivals or cancels to handle, every running request
-        decoding, and every block keeps a mask after this step (no block closes) whatever the step commits:
-        exactly min(tokens_per_step, masks left) tokens, or with a confidence threshold between one and that
-        many -- then the request's steering strength must not depend on which (`_alpha_ahead`). An <|eot_id|>
-        can still end a request early: its row in the next step then finds its block filled (samples
-        nothing) and its results are dropped."""
-        if self.table.waiting or len(rows) != len(self.table.running):
+        """The next step's rows, planned before `rows`' results are applied, or None when that
+        plan could be wrong. The step in flight commits exactly min(tokens_per_step, masks left)
+        tokens of each decode row (a confidence-threshold row: between one and that many), so
+        which blocks close in it is known, unless a threshold row may or may not close (None).
+        A block that closes gets its commit row (tokens from the device's block-token table)
+        and its next block's decode row, whose page is taken now; the request's last block
+        ends it. Arrivals are admitted into the planned step, after those pages (None when
+        the pool cannot give them without preempting). A cancel also waits for a step built
+        from the host. An <|eot_id|> or a stop id can still end a request early: its rows in
+        the next step are then dropped when applied (`_apply`)."""
+        running = self.table.running
+        in_step = {id(r.req) for r in rows}
+        if in_step != {id(req) for req in running} or any(r.req.cancel_requested for r in rows):
             return None
-        for req, b, is_decode in rows:
-            if not is_decode or req.cancel_requested or req.finished:
-                return None
+        mask = self.cfg.mask_id
+        decoded: dict[int, RowAhead] = {}          # id(req) -> its decode row's block and commits
+        kv_after: dict[int, int] = {}
+        for req, b, is_decode, _ in rows:
+            if not is_decode:
+                kv_after[id(req)] = max(kv_after.get(id(req), req.kv_blocks), b + 1)
+                continue
             start, end = req.block_range(b)
-            left = req.seq[start:end].count(self.cfg.mask_id)
+            left = req.seq[start:end].count(mask)
             most = min(req.options.tokens_per_step, left)
-            if left - most < 1:
-                return None
-            if req.options.confidence_threshold is not None and self._alpha_ahead(req, most) is None:
-                return None
-        return rows
+            threshold = req.options.confidence_threshold is not None
+            closes = left == most
+            if threshold and ((closes and left > 1) or (not closes and self._alpha_ahead(req, most) is None)):
+                return None   # it may or may not close / its strength depends on how many it commits
+            decoded[id(req)] = RowAhead(b, most, closes)
+        # pages of the blocks that open: all of them, or no plan
+        opening = [(req, decoded[id(req)].block + 2) for req in running
+                   if id(req) in decoded and decoded[id(req)].closes and not self._ends_at(req, decoded[id(req)].block)]
+        if sum(max(0, n - len(req.pages)) for req, n in opening) > self.kv.pool.free:
+            return None
+        for req, n in opening:
+            self.table.ensure_pages(req, n, may_preempt_itself=False)   # free pages: never preempts
+        self.table.admit()
+        states = []
+        for req in running:
+            d = decoded.get(id(req))
+            if id(req) not in in_step:                    # admitted just now
+                states.append((req, req.kv_blocks, req.active, req.closed_block, None))
+            else:
+                kv = kv_after.get(id(req), req.kv_blocks)
+                if d is not None and d.closes:
+                    if not self._ends_at(req, d.block):
+                        states.append((req, kv, d.block + 1, True, d))
+                    continue
+                states.append((req, kv, req.active, req.closed_block and kv < req.active, d))
+        return self._plan_rows(states) or None   # (every request ends in the step in flight)
+
+    @staticmethod
+    def _ends_at(req: BlockRequest, b: int) -> bool:
+        """Whether block b is the request's last (closing it finishes the request)."""
+        return req.block_range(b)[1] >= req.gen_end
 
     @staticmethod
     def _alpha_ahead(req: BlockRequest, most: int) -> float | None:
@@ -350,24 +400,30 @@ class SteerlingEngine(EngineRuntime):
         return alphas.pop() if len(alphas) == 1 else None
 
     def _plan(self) -> list[BlockRow]:
-        """The rows of this step, in running order."""
+        """The rows of this step, in running order, from the host's state."""
+        return self._plan_rows([(req, req.kv_blocks, req.active, req.closed_block, None) for req in self.table.running])
+
+    def _plan_rows(self, states: list[tuple[BlockRequest, int, int, bool, RowAhead | None]]) -> list[BlockRow]:
+        """A step's rows from each running request's (kv_blocks, active, closed_block) -- the host's,
+        or as they will be after the step in flight (`_rows_ahead`: then `ahead` is the request's
+        decode row in that step, which its rows carry)."""
         groups: list[tuple[list[BlockRow], BlockRow | None]] = []   # a request's rows, its optional decode row
         prefill_budget = self.max_prefill_rows
-        for req in self.table.running:
+        for req, kv_blocks, active, closed_block, ahead in states:
             rows: list[BlockRow] = []
             # blocks whose final K/V must be in the cache before the request can decode on (its
             # prompt, recomputation after preemption, or the block it just finished)
-            if req.kv_blocks < req.active:
-                n = min(req.active - req.kv_blocks, max(prefill_budget, 1))
+            if kv_blocks < active:
+                n = min(active - kv_blocks, max(prefill_budget, 1))
                 prefill_budget -= n
-                rows = [BlockRow(req, b, False) for b in range(req.kv_blocks, req.kv_blocks + n)]
-                if req.kv_blocks + n < req.active:
+                rows = [BlockRow(req, b, False, ahead) for b in range(kv_blocks, kv_blocks + n)]
+                if kv_blocks + n < active:
                     groups.append((rows, None))
                     continue
-                if req.closed_block:
-                    groups.append((rows, BlockRow(req, req.active, True)))
+                if closed_block:
+                    groups.append((rows, BlockRow(req, active, True, ahead)))
                     continue
-            groups.append((rows + [BlockRow(req, req.active, True)], None))
+            groups.append((rows + [BlockRow(req, active, True, ahead)], None))
         n_rows = sum(len(g) for g, _ in groups)
         planned: list[BlockRow] = []
         for rows, optional in groups:
@@ -388,15 +444,16 @@ class SteerlingEngine(EngineRuntime):
 
     def _launch(self, rows: list[BlockRow], overlapped: bool = False) -> LaunchedStep:
         """Build the step's inputs, run it on the device and start the copy of its results.
-        overlapped: the previous step's results are not applied yet; its decode rows continue
-        from the device's block-token table, one step and min(tokens_per_step, masks left) tokens further."""
+        A row with `ahead` belongs to a step planned before the previous step's results are applied
+        (`overlapped`): the row of the block that step decodes takes the device's block-token table,
+        and the request's step counter and steering strength run one step and its commits further."""
         cfg = self.cfg
         n = len(rows)
         rb = bucket(n, ROW_BUCKETS)
         max_block = max(row.block for row in rows)
         pb = bucket(max_block + 1, PAGE_BUCKETS)
         layout = BlockResultLayout(
-            bucket(max((r.options.tokens_per_step for r, _, d in rows if d), default=1), TOKENS_PER_STEP_BUCKETS),
+            bucket(max((row.req.options.tokens_per_step for row in rows if row.is_decode), default=1), TOKENS_PER_STEP_BUCKETS),
             self.topk_known, self.topk_discovered)
         # Host inputs are filled as numpy arrays (a scalar store costs ~0.1 us there, ~2 us
         # into a torch tensor) and become tensors once: the host part of a step stays small
@@ -414,17 +471,17 @@ class SteerlingEngine(EngineRuntime):
             temperature=np.ones(rb, dtype=np.float32), top_p=np.ones(rb, dtype=np.float32),
             seed=np.zeros(rb, dtype=i64), step=np.zeros(rb, dtype=i64), tokens_per_step=np.zeros(rb, dtype=i64),
             threshold=np.full(rb, -np.inf, dtype=np.float32), heads=np.zeros(rb, dtype=i64))
-        for i, (req, b, is_decode) in enumerate(rows):
+        for i, (req, b, is_decode, ahead) in enumerate(rows):
             start, end = req.block_range(b)
-            ahead = committed_least = 0
             left = req.seq[start:end].count(cfg.mask_id) if is_decode else 0
-            if overlapped:
-                fwd.from_table[i] = True
-                ahead = 1
-                # the step before commits min(tokens_per_step, left) tokens; a threshold row at least one
-                committed_least = (1 if req.options.confidence_threshold is not None
-                                   else min(req.options.tokens_per_step, left))
-            else:
+            steps_ahead = committed_least = 0
+            if ahead is not None:
+                steps_ahead = 1
+                if ahead.block == b:   # the step in flight changes this block: its tokens are the device's
+                    fwd.from_table[i] = True
+                    if is_decode:      # it commits min(tokens_per_step, left) of them; a threshold row at least one
+                        committed_least = 1 if req.options.confidence_threshold is not None else ahead.commits
+            if not fwd.from_table[i]:
                 fwd.tokens[i, : end - start] = req.seq[start:end]
             smp.heads[i] = left - committed_least   # masks the row has at this step, at most
             fwd.positions[i] = _ARANGE_BLOCK + start
@@ -434,8 +491,7 @@ class SteerlingEngine(EngineRuntime):
             fwd.steer_slot[i] = req.slot
             if req.steering is not None and is_decode:
                 st = req.steering
-                fwd.alpha[i] = (self._alpha_ahead(req, min(req.options.tokens_per_step, left))
-                                if overlapped else
+                fwd.alpha[i] = (self._alpha_ahead(req, ahead.commits) if ahead is not None else
                                 resolve_alpha(st.schedule, st.base_alpha, req.committed, st.cutoff_tokens))
                 fwd.inject_layer[i] = st.inject_layer
             if is_decode:
@@ -447,7 +503,7 @@ class SteerlingEngine(EngineRuntime):
                 smp.temperature[i] = sp.temperature
                 smp.top_p[i] = sp.top_p
                 smp.seed[i] = o.seed
-                smp.step[i] = req.step + ahead
+                smp.step[i] = req.step + steps_ahead
                 smp.tokens_per_step[i] = o.tokens_per_step
                 if o.confidence_threshold is not None:
                     smp.threshold[i] = o.confidence_threshold
@@ -514,7 +570,7 @@ class SteerlingEngine(EngineRuntime):
         res = BlockResults(*(None if t is None else t.numpy() for t in results))
         pos_sel, tok_sel, valid = res.positions, res.tokens, res.valid
         closed = []
-        for i, (req, b, is_decode) in enumerate(rows):
+        for i, (req, b, is_decode, _) in enumerate(rows):
             if req.finished:   # ended by the previous step (<|eot_id|>) after this one was launched
                 self.dropped_rows += 1
                 continue

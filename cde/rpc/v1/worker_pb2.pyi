@@ -40,7 +40,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("model", "preset", "dtype", "device", "kv_pages_total", "kv_pages_free", "running", "waiting", "steps", "compiles", "diffusion_block_size", "vocab_size", "n_known", "n_discovered", "max_context", "graphs")
+    __slots__ = ("model", "preset", "dtype", "device", "kv_pages_total", "kv_pages_free", "running", "waiting", "steps", "compiles", "diffusion_block_size", "vocab_size", "n_known", "n_discovered", "max_context", "graphs", "overlapped_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRESET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class WorkerStatus(_message.Message):
     N_DISCOVERED_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     preset: str
     dtype: str
@@ -73,4 +74,5 @@ class WorkerStatus(_message.Message):
     n_discovered: int
     max_context: int
     graphs: int
-    def __init__(self, model: _Optional[str] = ..., preset: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., compiles: _Optional[int] = ..., diffusion_block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., n_known: _Optional[int] = ..., n_discovered: _Optional[int] = ..., max_context: _Optional[int] = ..., graphs: _Optional[int] = ...) -> None: ...
+    overlapped_steps: int
+    def __init__(self, model: _Optional[str] = ..., preset: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., compiles: _Optional[int] = ..., diffusion_block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., n_known: _Optional[int] = ..., n_discovered: _Optional[int] = ..., max_context: _Optional[int] = ..., graphs: _Optional[int] = ..., overlapped_steps: _Optional[int] = ...) -> None: ...
