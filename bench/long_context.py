@@ -18,7 +18,8 @@ the same shapes (so compiles and CUDA-graph captures stay out of the timed runs)
   itself at 4K; it is recorded beside, `concat_ms_per_forward`).
 * ttfb: one request alone with an L-token prompt (`--ttfb-prompts`); time from submit to its first
   block (Steerling) / first token (ISD), and `prefill_s`, submit to the launch of its first step
-  that only decodes. first_block_floor_s = prefill floor(L) + steps x decode floor(batch 1,
+  that only decodes (once the device has finished the steps before it: a step launched ahead
+  would otherwise start the decode clock while the prompt's step still runs). first_block_floor_s = prefill floor(L) + steps x decode floor(batch 1,
   context L), steps = the decode steps the first block needs (Steerling at one token per step:
   its masks; ISD: 0, t0 comes from the prefill's logits).
 * joins: `--running` short requests decoding, then `--joins` requests of L prompt tokens submitted at
@@ -146,10 +147,15 @@ class Tracker:
             for row in rows:
                 rid, dec = side.decodes(row)
                 decodes[rid] = decodes.get(rid, True) and dec
-            for rid, only_decode in decodes.items():
-                if only_decode and rid not in self.decode_launch:
-                    self.decode_launch[rid] = now
-                    self.decode_launch_forward[rid] = side.engine.forwards
+            first = [rid for rid, only_decode in decodes.items() if only_decode and rid not in self.decode_launch]
+            if first:
+                # a step launched ahead is queued behind the prompt's step still running on the
+                # device: the clock starts when the device is free (else it times prefill as decode)
+                sync()
+                now = time.perf_counter()
+            for rid in first:
+                self.decode_launch[rid] = now
+                self.decode_launch_forward[rid] = side.engine.forwards
             return launch(rows, overlapped)
 
         side.engine._launch = tracked_launch
