@@ -5,7 +5,8 @@ Never-output ids (documented in README "API"):
 * Steerling: EOS, mask, pad, BOS (`cde.steerling.sampling.banned_ids` + the EOS ban of
   `adjust_logits`) and the embedding rows past the tokenizer's vocabulary;
 * causal (I-DLM): the mask, a BOS that is not a stop id, and the rows past the tokenizer's
-  vocabulary (`cde.isd.decoder.never_output_ids`).
+  vocabulary (`cde.isd.decoder.never_output_ids`);
+* both: the tokenizer's unassigned ids (`unassigned_ids()`), which the worker passes to the engine.
 
 Each model here gets an LM-head bias that gives those ids the largest logits by far (the mask
 the largest of all), checked on the raw logits first, so a decoder that forgets any ban samples
@@ -224,3 +225,75 @@ def test_cl100k_unassigned_ids_are_the_holes_among_its_specials():
     for i in holes:
         with pytest.raises(ValueError, match="not assigned"):
             tok.decode_bytes([i])
+
+
+def test_a_tokenizer_json_with_a_hole_reports_it(tmp_path):
+    """A tokenizer.json whose vocabulary skips an id: both loaders (the causal family's
+    Qwen3Tokenizer, Steerling's TokenizerJsonTokenizer) report it in unassigned_ids() (decode
+    refuses it), a dense file reports none, and never_output_ids bans what it is given."""
+    import json
+
+    from cde.qwen3.chat import write_byte_tokenizer
+    from cde.qwen3.tokenizer import Qwen3Tokenizer
+
+    dense = tmp_path / "dense.json"
+    write_byte_tokenizer(dense, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    assert Qwen3Tokenizer(dense).unassigned_ids() == []
+    holed = tmp_path / "holed.json"
+    data = json.loads(dense.read_text())
+    vocab = data["model"]["vocab"]
+    del vocab[next(k for k, i in vocab.items() if i == 100)]
+    holed.write_text(json.dumps(data))
+    tok = Qwen3Tokenizer(holed)
+    assert tok.unassigned_ids() == [100]
+    with pytest.raises(ValueError, match="not assigned"):
+        tok.decode([100])
+    tiny = preset("tiny")
+    assert never_output_ids(tiny, None, tok.unassigned_ids()) == [100, 509, 511]
+
+
+def test_steerling_tokenizer_json_reports_its_holes(tmp_path):
+    import json
+
+    from cde.steerling.tokenizer import TokenizerJsonTokenizer
+
+    from pathlib import Path
+
+    bundled = Path(__file__).resolve().parent.parent / "models" / "steerling-small" / "tokenizer.json"
+    tok = TokenizerJsonTokenizer(bundled)
+    assert tok.unassigned_ids() == [], "the bundled tokenizer's ids are dense"
+    data = json.loads(open(bundled, encoding="utf-8").read())
+    vocab = data["model"]["vocab"]
+    gone = next(k for k, i in vocab.items() if i == 300)
+    del vocab[gone]
+    data["model"]["merges"] = [m for m in data["model"]["merges"]
+                               if gone not in (m.split(" ") if isinstance(m, str) else m)
+                               and gone != "".join(m.split(" ") if isinstance(m, str) else m)]
+    holed = tmp_path / "tokenizer.json"
+    holed.write_text(json.dumps(data))
+    assert TokenizerJsonTokenizer(holed).unassigned_ids() == [300]
+    # instruct=False leaves the chat specials out: their ids decode to nothing, so they are holes too
+    base = TokenizerJsonTokenizer(bundled, instruct=False)
+    chat = [i for s, i in tok.special_tokens.items() if s not in base.special_tokens]
+    assert chat and base.unassigned_ids() == sorted(chat)
+
+
+def test_the_causal_engine_never_samples_the_ids_it_is_told_to_ban(seed):
+    """IsdEngine(never_output_ids=...) (the worker passes the tokenizer's holes): the ids a first
+    sampled run produced most are banned, and the same requests again sample none of them,
+    AR and ISD alike."""
+    model = lag_model(seed, lag=4, vocab=64)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
+
+    def run(banned):
+        engine = IsdEngine(model, n_pages=64, never_output_ids=banned)
+        hs = [engine.submit(f"r{i}-{n}", p, IsdOptions(24, stride=n, temperature=1.0, seed=seed + i))
+              for i, p in enumerate(prompts) for n in (1, 4)]
+        engine.run_until_idle()
+        return [t for h in hs for e in engine.drain(h) if isinstance(e, IsdFinishEvent) for t in e.output_tokens]
+
+    out = run(())
+    stops = set(model.cfg.eos_token_ids)   # a stop id is never banned (never_output_ids)
+    holes = tuple([t for t in sorted(set(out), key=out.count) if t not in stops][-3:])
+    again = run(holes)
+    assert len(again) >= 40 and not set(again) & set(holes), f"seed={seed}: {holes} sampled again"

@@ -243,10 +243,13 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
         from worker_svc.engine.isd_engine import IsdEngine
 
         model = await asyncio.to_thread(load_qwen3, model_dir, dtype=dtype, device=opts.device)
-        token_limit = load_chat_tokenizer(model_dir, model.cfg).vocab_size
+        chat_tokenizer = load_chat_tokenizer(model_dir, model.cfg)
+        token_limit = chat_tokenizer.vocab_size
+        # never sampled: ids past the tokenizer and its holes (the gateway could not decode them)
         engine: EngineRuntime = IsdEngine(model, max_slots=opts.max_slots, n_pages=opts.kv_pages,
                                           max_stride=opts.max_stride, cuda_graphs=opts.cuda_graphs,
-                                          compile=opts.compile, tokenizer_vocab_size=token_limit)
+                                          compile=opts.compile, tokenizer_vocab_size=token_limit,
+                                          never_output_ids=tuple(chat_tokenizer.unassigned_ids()))
         family: ModelFamily = CausalFamily(engine, token_limit)
     else:
         from cde.steerling.loading import load_model

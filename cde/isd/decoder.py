@@ -51,7 +51,7 @@ computed with base weights and p is the base model's: output follows base AR exa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -106,13 +106,15 @@ class Generation:
 
 
 # ---- never-output ids ------------------------------------------------------------------------
-def never_output_ids(cfg, tokenizer_vocab_size: int | None = None) -> list[int]:
+def never_output_ids(cfg, tokenizer_vocab_size: int | None = None, unassigned: Iterable[int] = ()) -> list[int]:
     """Ids no decoder may sample (AR, ISD clean tokens, drafts, corrections): the mask id, a BOS
     that is not a stop id (the gateway's detokenizer drops it, so sampled it would be a token the
-    response does not hold), and embedding rows at or past the tokenizer's vocabulary (padding
-    rows no text maps to). A stop id is never banned (a BOS that is one ends the output like
-    any EOS), even one past a tokenizer vocabulary that does not count it."""
-    ids = set()
+    response does not hold), embedding rows at or past the tokenizer's vocabulary (padding
+    rows no text maps to) and `unassigned`, the tokenizer's holes below it (its
+    `unassigned_ids()`: the gateway could not decode them). A stop id is never banned (a BOS
+    that is one ends the output like any EOS), even one past a tokenizer vocabulary that does
+    not count it."""
+    ids = {int(i) for i in unassigned}
     if cfg.mask_token_id is not None:
         ids.add(int(cfg.mask_token_id))
     if cfg.bos_token_id is not None:

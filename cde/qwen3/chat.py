@@ -55,6 +55,9 @@ class ChatTokenizer:
     def special_tokens(self) -> dict[str, int]:
         return dict(self.tok.special_tokens)
 
+    def unassigned_ids(self) -> list[int]:
+        return self.tok.unassigned_ids()
+
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
 

@@ -103,6 +103,11 @@ class Qwen3Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._full.token_to_id(token)
 
+    def unassigned_ids(self) -> list[int]:
+        """Ids below vocab_size that the file assigns to nothing (``decode`` refuses them): never
+        to be sampled. Empty for a file whose ids are dense, as most are."""
+        return [i for i in range(self.vocab_size) if self._full.id_to_token(i) is None]
+
     def id_to_token(self, i: int) -> str | None:
         return self._full.id_to_token(i)
 

@@ -446,6 +446,11 @@ class TokenizerJsonTokenizer(Tokenizer):
         chat = set(_STEERLING_CHAT)
         self._init_specials({s: i for s, i in added.items() if instruct or s not in chat})
 
+    def unassigned_ids(self) -> list[int]:
+        """Ids below vocab_size that decode to nothing: holes in the file, and (instruct=False) the
+        chat specials it leaves out."""
+        return [i for i, b in enumerate(self._bytes) if b is None and i not in self._special_text]
+
     def encode(self, text: str) -> list[int]:
         ids = self._hf.encode(_clean_surrogates(text), add_special_tokens=False).ids
         if self._added_ids.intersection(ids):  # cannot happen with encode_special_tokens; never let it through

@@ -232,7 +232,8 @@ class IsdEngine(EngineRuntime):
     def __init__(self, model: Qwen3Model, *, max_slots: int = 64, n_pages: int | None = None, max_stride: int = 8,
                  prefill_chunk: int = 64, max_prefill_rows: int = 32, kv_fraction: float = 0.85,
                  verify_fn: VerifyFn | None = None, cuda_graphs: bool = False, compile: bool = False,
-                 overlap: bool = True, tokenizer_vocab_size: int | None = None):
+                 overlap: bool = True, tokenizer_vocab_size: int | None = None,
+                 never_output_ids: tuple[int, ...] = ()):
         if model.cfg.mask_token_id is None and max_stride > 1:
             raise ValueError("ISD (stride > 1) needs a model config with mask_token_id")
         if prefill_chunk not in Q_BUCKETS:
@@ -247,7 +248,7 @@ class IsdEngine(EngineRuntime):
         self.max_stride = max_stride
         self.runner = IsdRunner(model, self.kv, max_slots + 1, max(max_stride - 1, 0), verify_fn,
                                 max_rows=bucket(max_slots + max(max_prefill_rows, 1), ROW_BUCKETS),
-                                tokenizer_vocab_size=tokenizer_vocab_size)
+                                tokenizer_vocab_size=tokenizer_vocab_size, never_output=never_output_ids)
         self.prefill_chunk = prefill_chunk
         # 32 chunks of 64 = 2,048 prompt tokens a step, as the Steerling engine's 32 commit rows: a
         # 4K prompt in 2 steps. At 8 (512 tokens a step) a 4K prompt took 8 steps, each reading every

@@ -240,13 +240,15 @@ class IsdRunner:
     """Holds the model, the KV cache and the q table; ``step`` is the device step."""
 
     def __init__(self, model: Qwen3Model, kv: KVCache, n_slots: int, max_drafts: int,
-                 verify_fn: VerifyFn | None = None, max_rows: int = 128, tokenizer_vocab_size: int | None = None):
+                 verify_fn: VerifyFn | None = None, max_rows: int = 128, tokenizer_vocab_size: int | None = None,
+                 never_output: tuple[int, ...] = ()):
         self.model = model
         self.cfg = model.cfg
         self.kv = kv
         dev = model.lm_head.weight.device
         # ids never sampled (cde.isd.decoder.never_output_ids): -inf in every step's logits
-        self.banned = torch.tensor(never_output_ids(self.cfg, tokenizer_vocab_size), dtype=torch.long, device=dev)
+        self.banned = torch.tensor(never_output_ids(self.cfg, tokenizer_vocab_size, never_output), dtype=torch.long,
+                                   device=dev)
         # stored draft logits, already temperature-scaled (float32 as the reference's q_buf); slot 0 is scratch
         self.q_table = torch.zeros(n_slots, max_drafts, self.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.verify_fn = verify_fn or default_verify(dev)
