@@ -206,7 +206,9 @@ def closed_loop(engine: SteerlingEngine, concurrency: int, duration: float, prom
     def submit(user: int) -> None:
         nonlocal n
         prompt = torch.randint(0, bound, (prompt_tokens,), generator=rng).tolist()
-        handle = engine.submit(f"loop-{seed}-{n}", prompt, DecodeOptions(new_tokens, SamplingParams(), seed=seed * 7919 + n))
+        # no StepEvents, as the worker's requests that nobody watches denoise
+        handle = engine.submit(f"loop-{seed}-{n}", prompt, DecodeOptions(new_tokens, SamplingParams(), seed=seed * 7919 + n),
+                               stream_steps=False)
         live[user] = (handle, time.time(), time.perf_counter(), [])
         n += 1
 
@@ -244,7 +246,7 @@ def engine_runs(args, cfg: SteerlingConfig, concs: list[int], bound: int) -> lis
     t = time.perf_counter()
     for c in concs:   # compile / capture every batch size and page bucket untimed
         run_once(engine, model, c, args.prompt_tokens, args.new_tokens, False, 999, bound, timer)
-    if engine._graphs is not None:   # as the worker's warm-up does: every graph up to capture_rows rows
+    if engine.cuda_graphs:   # as the worker's warm-up does: every graph up to capture_rows rows
         print(f"engine captured {engine.capture_graphs()} more CUDA graphs", flush=True)
     print(f"engine warm-up {time.perf_counter() - t:.0f} s", flush=True)
     runs = []

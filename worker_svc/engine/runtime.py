@@ -203,6 +203,11 @@ class EngineRuntime(DecodeStrategy):
         from torch._inductor.compile_fx import compile_fx
         return compile_fx(gm, example_inputs)
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether device steps replay CUDA graphs."""
+        return self._graphs is not None
+
     # ---- the table, as callers see it -----------------------------------------------------------
     @property
     def requests(self) -> dict[str, TrackedRequest]:
