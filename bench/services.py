@@ -236,7 +236,7 @@ def closed_loop(engine: SteerlingEngine, concurrency: int, duration: float, prom
     return lines
 
 
-def engine_runs(args, cfg: SteerlingConfig, concs: list[int], bound: int) -> list[dict]:
+def engine_runs(args, cfg: SteerlingConfig, concs: list[int], bound: int, floor_ms: dict | None = None) -> list[dict]:
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     model = build_model(args.preset, args.device, dtype, seed=args.seed)
@@ -255,9 +255,12 @@ def engine_runs(args, cfg: SteerlingConfig, concs: list[int], bound: int) -> lis
                 for i in range(args.engine_repeats)]
         mid = sorted(reps, key=lambda r: r["tok_per_s"])[len(reps) // 2]
         r = {"path": "engine", **mid, "repeats": len(reps), "tok_per_s_all": [x["tok_per_s"] for x in reps]}
+        if floor_ms and str(c) in floor_ms:
+            r["floor_ms_per_forward"] = floor_ms[str(c)]
+            r["ratio_to_floor"] = r["ms_per_forward"] / floor_ms[str(c)]
         runs.append(r)
         print(f"engine   C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s'] or 0:.3f}s  "
-              f"inter-block {r['inter_block_s'] or 0:.3f}s", flush=True)
+              f"inter-block {r['inter_block_s'] or 0:.3f}s  ratio to floor {r.get('ratio_to_floor', 0):.3f}", flush=True)
     # the same engine under the services' closed-loop arrivals (requests out of phase: other row
     # and head buckets, some of which the lockstep runs above never captured)
     for c in concs:
@@ -310,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--startup-timeout", type=float, default=480.0, help="seconds for the stack to get healthy")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-engine", action="store_true", help="only the services path")
+    ap.add_argument("--no-floor", action="store_true", help="skip the floor (bench.floor) measured first on CUDA")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -323,6 +327,15 @@ def main(argv: list[str] | None = None) -> None:
                         runs=[], ratios={})
     save = json_writer(args.out, result)
     t0 = time.perf_counter()
+    if cuda and not args.no_floor:   # the same run's floor (docs/BENCHMARKS.md), before the stack takes the GPU
+        from bench.floor import measure_floor
+        floor = measure_floor(cfg.n_layers, cfg.n_embd, cfg.n_head, cfg.n_kv_heads, cfg.intermediate_size,
+                              cfg.vocab_size, concs)
+        torch.cuda.empty_cache()
+        result["floor"] = {"ms_per_forward": {str(b): round(v, 3) for b, v in floor.items()}, "query_tokens": 64,
+                           "context": 512}
+        print(f"floor ({time.perf_counter() - t0:.0f} s): {result['floor']['ms_per_forward']}", flush=True)
+        save()
     with tempfile.TemporaryDirectory(prefix="cde-bench-services-") as tmp:
         work = Path(tmp)
         model_dir = write_benchmark_model_dir(work / f"{args.preset}-random", cfg, args.seed, tokenizer_file(cfg))
@@ -330,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         result["runs"] += services_runs(args, cfg, model_dir, work, concs, bound)
         save()
     if not args.no_engine:
-        result["runs"] += engine_runs(args, cfg, concs, bound)
+        result["runs"] += engine_runs(args, cfg, concs, bound, (result.get("floor") or {}).get("ms_per_forward"))
         result["ratios"] = ratios(result["runs"])
     result["total_s"] = time.perf_counter() - t0
     save()
