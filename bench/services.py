@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from bench.steerling import GpuTimer, build_model, json_writer, run_once, run_record
+from bench.steerling import GpuTimer, build_model, floor_record, json_writer, run_once, run_record
 from cde.launch import ROOT, Stack
 from cde.steerling.config import SteerlingConfig, preset
 from cde.steerling.random_weights import write_benchmark_model_dir
@@ -328,12 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     save = json_writer(args.out, result)
     t0 = time.perf_counter()
     if cuda and not args.no_floor:   # the same run's floor (docs/BENCHMARKS.md), before the stack takes the GPU
-        from bench.floor import measure_floor
-        floor = measure_floor(cfg.n_layers, cfg.n_embd, cfg.n_head, cfg.n_kv_heads, cfg.intermediate_size,
-                              cfg.vocab_size, concs)
+        result["floor"] = floor_record(cfg, concs)
         torch.cuda.empty_cache()
-        result["floor"] = {"ms_per_forward": {str(b): round(v, 3) for b, v in floor.items()}, "query_tokens": 64,
-                           "context": 512}
         print(f"floor ({time.perf_counter() - t0:.0f} s): {result['floor']['ms_per_forward']}", flush=True)
         save()
     with tempfile.TemporaryDirectory(prefix="cde-bench-services-") as tmp:

@@ -52,6 +52,16 @@ def git_commit() -> str:
         return "unknown"
 
 
+def floor_record(cfg, batches: list[int]) -> dict:
+    """The floor (bench.floor) of a Steerling step at these batch sizes, as a result's `floor`:
+    64 query tokens over a 512-token context."""
+    from bench.floor import measure_floor
+
+    floor = measure_floor(cfg.n_layers, cfg.n_embd, cfg.n_head, cfg.n_kv_heads, cfg.intermediate_size,
+                          cfg.vocab_size, batches)
+    return {"ms_per_forward": {str(b): round(v, 3) for b, v in floor.items()}, "query_tokens": 64, "context": 512}
+
+
 def run_record(module: str, preset_name: str, decoder: str, cuda: bool, dtype: torch.dtype, **extra) -> dict:
     """The fields every bench JSON starts with (docs/BENCHMARKS.md): what ran, where, how."""
     return {"commit": git_commit(), "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
@@ -247,12 +257,8 @@ def main() -> None:
     save = json_writer(args.out, result)
 
     if cuda and not args.no_floor:
-        from bench.floor import measure_floor
         t = time.perf_counter()
-        floor = measure_floor(cfg.n_layers, cfg.n_embd, cfg.n_head, cfg.n_kv_heads, cfg.intermediate_size,
-                              cfg.vocab_size, sorted(set(concs + offs)))
-        result["floor"] = {"ms_per_forward": {str(b): round(v, 3) for b, v in floor.items()}, "query_tokens": 64,
-                           "context": 512}
+        result["floor"] = floor_record(cfg, sorted(set(concs + offs)))
         print(f"floor ({time.perf_counter() - t:.0f} s): {result['floor']['ms_per_forward']}", flush=True)
         save()
 

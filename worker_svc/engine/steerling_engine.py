@@ -347,6 +347,7 @@ class SteerlingEngine(EngineRuntime):
         mask = self.cfg.mask_id
         decoded: dict[int, RowAhead] = {}          # id(req) -> its decode row's block and commits
         kv_after: dict[int, int] = {}
+        opening: list[tuple[BlockRequest, int]] = []   # (request, pages it needs) for each block that opens
         for req, b, is_decode, _ in rows:
             if not is_decode:
                 kv_after[id(req)] = max(kv_after.get(id(req), req.kv_blocks), b + 1)
@@ -359,9 +360,9 @@ class SteerlingEngine(EngineRuntime):
             if threshold and ((closes and left > 1) or (not closes and self._alpha_ahead(req, most) is None)):
                 return None   # it may or may not close / its strength depends on how many it commits
             decoded[id(req)] = RowAhead(b, most, closes)
+            if closes and not self._ends_at(req, b):
+                opening.append((req, b + 2))
         # pages of the blocks that open: all of them, or no plan
-        opening = [(req, decoded[id(req)].block + 2) for req in running
-                   if id(req) in decoded and decoded[id(req)].closes and not self._ends_at(req, decoded[id(req)].block)]
         if sum(max(0, n - len(req.pages)) for req, n in opening) > self.kv.pool.free:
             return None
         for req, n in opening:
