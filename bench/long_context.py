@@ -69,6 +69,11 @@ class EngineSide:
         return "block" if variant is None else ("ar" if variant == 1 else f"isd{variant}")
 
 
+def prefill_rows(args) -> dict:
+    """The engine's max_prefill_rows when --max-prefill-rows overrides its default."""
+    return {} if args.max_prefill_rows is None else {"max_prefill_rows": args.max_prefill_rows}
+
+
 def steerling_side(args, cuda: bool, dtype) -> EngineSide:
     from bench.steerling import build_model
     from cde.steerling.config import preset
@@ -80,7 +85,8 @@ def steerling_side(args, cuda: bool, dtype) -> EngineSide:
     model = build_model(args.preset, args.device, dtype)
     slots = max(args.concurrency + [args.running + args.joins])
     engine = SteerlingEngine(model, tokenizer_vocab_size=None, max_slots=slots, n_pages=args.max_pages,
-                             compile=cuda and not args.no_compile, cuda_graphs=cuda and not args.no_cuda_graphs)
+                             compile=cuda and not args.no_compile, cuda_graphs=cuda and not args.no_cuda_graphs,
+                             **prefill_rows(args))
     engine.want_records = False
 
     def submit(rid, prompt, new_tokens, _variant, seed):
@@ -104,7 +110,8 @@ def isd_side(args, cuda: bool, dtype) -> EngineSide:
     model = build_model(args.preset, args.device, dtype)
     slots = max(args.concurrency + [args.running + args.joins])
     engine = IsdEngine(model, max_slots=slots, n_pages=args.max_pages, max_stride=max(strides),
-                       cuda_graphs=cuda and not args.no_cuda_graphs, compile=cuda and not args.no_compile)
+                       cuda_graphs=cuda and not args.no_cuda_graphs, compile=cuda and not args.no_compile,
+                       **prefill_rows(args))
 
     def submit(rid, prompt, new_tokens, stride, seed):
         return engine.submit(rid, prompt, IsdOptions(new_tokens, stride=stride, seed=seed))
@@ -291,6 +298,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed run before each measurement (CPU smoke runs)")
     ap.add_argument("--max-pages", type=int, default=2048)
+    ap.add_argument("--max-prefill-rows", type=int, default=None,
+                    help="prompt rows (64 tokens each) a step takes (default: the engine's)")
     ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-cuda-graphs", action="store_true")
@@ -309,7 +318,8 @@ def main() -> None:
     # a prompt as long as the context is cut so that a whole first block still fits after it (4096 -> 4032)
     ttfb_prompts = [min(int(p), side.max_context - side.first_block_tokens(0)) for p in args.ttfb_prompts.split(",") if p]
     result = run_record("bench.long_context", args.preset, side.name, cuda, dtype, engine=args.engine,
-                        new_tokens=args.new_tokens, tokens_per_step=args.tokens_per_step if args.engine == "steerling" else None, floor=[], prefill_floor=[], runs=[], ttfb=[], joins=[])
+                        new_tokens=args.new_tokens, tokens_per_step=args.tokens_per_step if args.engine == "steerling" else None,
+                        max_prefill_rows=side.engine.max_prefill_rows, floor=[], prefill_floor=[], runs=[], ttfb=[], joins=[])
     save = json_writer(args.out, result)
     print(f"model + engine ready in {time.perf_counter() - t:.0f} s; pages {side.engine.kv.pool.usable}", flush=True)
 

@@ -14,6 +14,7 @@
 #   bash bench/run_h200.sh isd-ablation # I-DLM-8B at C=1, 32 without overlapped steps (what overlap saves)
 #   bash bench/run_h200.sh long-context # both engines at 1K/2K/4K context, C=1, 8 vs the floor there; time to first
 #                                       block (1K, 4K prompt) alone and 8 joining 8 running (long-context-steerling / -isd: one each)
+#   bash bench/run_h200.sh isd-prefill-rows # I-DLM-8B time to first token alone and joining, 32 vs 64 prompt rows a step
 #   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
 #   bash bench/run_h200.sh train-all       # both bundled models (idlm-small beside steerling-small + its eval)
 #   bash bench/run_h200.sh eval-idlm       # idlm-8b ISD bench, then idlm-small's full evaluation with H200 speed
@@ -89,6 +90,13 @@ case "$stage" in
       python3 -m bench.long_context --engine isd --preset idlm-8b \
         --out "$OUT/long-context-idlm-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/long-context-idlm-8b-h200-$short.txt"
     fi ;;
+  isd-prefill-rows)
+    # I-DLM-8B time to first token (1K, 4K prompts; 8 joining 8 running) at 32 and 64 prompt rows a step
+    for rows in 32 64; do
+      python3 -m bench.long_context --engine isd --preset idlm-8b --contexts "" --max-prefill-rows "$rows" \
+        --out "$OUT/long-context-idlm-8b-h200-$short-prefill$rows.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/long-context-idlm-8b-h200-$short-prefill$rows.txt"
+    done ;;
   train-steerling)
     # steerling-small: corpus (stories generated here + the committed prose), training, held-out
     # evaluation, in one command of < 10 minutes. Returns the sharded bf16 weights, config,

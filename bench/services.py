@@ -125,6 +125,21 @@ def worker_status(port: int):
                                                   metadata=token_metadata())
 
 
+def worker_timing(before, after, ttfb_mean_s: float) -> dict:
+    """Where the time to first block goes, from two of the worker's Info (cumulative sums): the
+    mean wait from Submit to joining a step, the mean time from Submit to the first block leaving
+    the worker, and the rest of the client's mean (gateway, scheduler, Redis and back)."""
+    admitted = after.admitted - before.admitted
+    firsts = after.first_blocks - before.first_blocks
+    queue_ms = 1e3 * (after.queue_seconds_sum - before.queue_seconds_sum) / admitted if admitted else None
+    first_block = (after.first_block_seconds_sum - before.first_block_seconds_sum) / firsts if firsts else None
+    return {"worker_queue_ms_mean": queue_ms, "worker_first_block_s_mean": first_block,
+            "stack_ttfb_s": ttfb_mean_s - first_block if first_block is not None else None,
+            # overlapped steps planned once the step in flight's trunk was done, and those launched late
+            "worker_late_plans": after.late_plans - before.late_plans,
+            "worker_late_plan_misses": after.late_plan_misses - before.late_plan_misses}
+
+
 def run_locust(base_url: str, concurrency: int, duration: float, events: Path, env: dict, stop_timeout: float) -> None:
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", str(concurrency),
            "-r", str(concurrency), "-t", f"{duration:g}s", "--stop-timeout", f"{stop_timeout:g}",
@@ -181,12 +196,15 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
                  "worker_recompiles": after.compiles - before.compiles, "worker_steps": after.steps - before.steps,
                  # steps launched before the previous one's results were read (the rest idle the GPU)
                  "worker_overlapped_steps": after.overlapped_steps - before.overlapped_steps}
+            r.update(worker_timing(before, after, r["ttfb_mean_s"]))
             runs.append(r)
             print(f"services C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s']:.3f}s  "
                   f"inter-block {r['inter_block_s'] or 0:.3f}s  tail {r['stream_tail_s'] or 0:.3f}s  requests {r['requests']}"
                   f"  worker graph captures {r['worker_graph_captures']} recompiles {r['worker_recompiles']}"
-                  f"  overlapped {r['worker_overlapped_steps']}/{r['worker_steps']} steps",
-                  flush=True)
+                  f"  overlapped {r['worker_overlapped_steps']}/{r['worker_steps']} steps"
+                  f" (planned late {r['worker_late_plans']}, missed {r['worker_late_plan_misses']})"
+                  f"  in the worker: queue {r['worker_queue_ms_mean'] or 0:.1f} ms, first block {r['worker_first_block_s_mean'] or 0:.3f}s;"
+                  f" stack {1e3 * (r['stack_ttfb_s'] or 0):.1f} ms", flush=True)
     finally:
         stack.stop()
     return runs
@@ -264,17 +282,23 @@ def engine_runs(args, cfg: SteerlingConfig, concs: list[int], bound: int, floor_
     # the same engine under the services' closed-loop arrivals (requests out of phase: other row
     # and head buckets, some of which the lockstep runs above never captured)
     for c in concs:
-        g0, c0, s0, o0 = engine.stats().graphs, engine.compiles, engine.steps, engine.overlapped_steps
+        before = engine.stats()
+        g0, c0, s0, o0 = before.graphs, engine.compiles, engine.steps, engine.overlapped_steps
         lines = closed_loop(engine, c, args.duration, args.prompt_tokens, args.new_tokens, bound, args.seed + c)
         r = {"path": "engine-closed-loop", "concurrency": c, "prompt_tokens": args.prompt_tokens,
              "new_tokens": args.new_tokens, "attribution": False, "steering": False, "stride": None,
              "duration_s": args.duration, **summarize_load(lines, c),
              "graph_captures": engine.stats().graphs - g0, "recompiles": engine.compiles - c0,
              "steps": engine.steps - s0, "overlapped_steps": engine.overlapped_steps - o0}
+        after = engine.stats()
+        r.update(late_plans=after.late_plans - before.late_plans,
+                 late_plan_misses=after.late_plan_misses - before.late_plan_misses,
+                 queue_ms_mean=1e3 * (after.queue_s_sum - before.queue_s_sum) / max(1, after.admitted - before.admitted))
         runs.append(r)
         print(f"engine closed loop C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s']:.3f}s  "
               f"inter-block {r['inter_block_s'] or 0:.3f}s  requests {r['requests']}  graph captures "
-              f"{r['graph_captures']}  overlapped {r['overlapped_steps']}/{r['steps']} steps", flush=True)
+              f"{r['graph_captures']}  overlapped {r['overlapped_steps']}/{r['steps']} steps (planned late "
+              f"{r['late_plans']}, missed {r['late_plan_misses']})  queue {r['queue_ms_mean']:.1f} ms", flush=True)
     return runs
 
 

@@ -77,3 +77,58 @@ def test_after_warmup_staggered_traffic_captures_nothing_and_equals_the_referenc
     for (prompt, opts), h in zip(jobs, handles):
         (fin,) = [e for e in engine.drain(h) if isinstance(e, FinishEvent)]
         assert fin.output_tokens == generate(model, prompt, opts, tokenizer_vocab_size=264).output_tokens
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("capture_rows", [48, 2])
+def test_a_request_arriving_before_the_plan_point_joins_the_next_step_and_output_is_exact(capture_rows):
+    """Plan points (the next step planned once the step in flight's trunk is done) on every step
+    with heads, from CUDA graphs and eagerly (capture_rows=2: most steps are larger): a request
+    submitted while the step loop waits at a plan point is admitted into the very next step, and
+    every request still equals the reference decoder token for token (float64)."""
+    from cde.steerling.reference_decoder import generate
+    from cde.steerling.sampling import SamplingParams
+
+    model = SteerlingModel(TINY.replace(n_layers=2)).init_random(17, std=0.05).to("cuda", torch.float64).eval()
+    model.rebuild_rope("cuda")
+    engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=96, cuda_graphs=True, capture_rows=capture_rows,
+                             plan_late_head_rows=1)
+    jobs = [(list(range(1, 6 + 31 * i)), DecodeOptions(80 + 7 * i, SamplingParams(), tokens_per_step=1 + i % 2, seed=i))
+            for i in range(4)]
+    handles = {"j0": engine.submit("j0", *jobs[0])}
+    arrivals = [(f"j{i}", jobs[i]) for i in range(1, 4)]
+    joined_next = []
+    execute = engine._execute_device
+
+    class SubmitsWhileWaiting:
+        """The plan point, submitting the next arrival when the step loop starts waiting on it."""
+        def __init__(self, event):
+            self.event, self.pending = event, None
+
+        def synchronize(self):
+            if arrivals and engine.steps % 5 == 2:
+                rid, (prompt, opts) = arrivals.pop(0)
+                handles[rid] = engine.submit(rid, prompt, opts)
+                self.pending = rid
+                waited.append(self)
+            self.event.synchronize()
+
+    def with_arrivals(*a):
+        out, point = execute(*a)
+        return out, (SubmitsWhileWaiting(point) if point is not None else None)
+
+    engine._execute_device = with_arrivals
+    waited = []
+    before = engine.stats().late_plans
+    for _ in range(2000):
+        if not (engine.has_work() or arrivals):
+            break
+        engine.step()
+        while waited:   # the step launched at that plan point (now in flight) has the arrival's rows
+            rid = waited.pop().pending
+            joined_next.append(any(row.req.request_id == rid for row in engine._inflight.rows))
+    assert joined_next == [True] * 3, joined_next
+    assert engine.stats().late_plans > before
+    for rid, (prompt, opts) in zip(sorted(handles), jobs):
+        (fin,) = [e for e in engine.drain(handles[rid]) if isinstance(e, FinishEvent)]
+        assert fin.output_tokens == generate(model, prompt, opts, tokenizer_vocab_size=264).output_tokens, rid

@@ -148,7 +148,8 @@ def test_preemption_with_a_tiny_page_pool_gives_the_same_output(seed):
         submitted[f"p{i}"] = (prompt, opts, None, engine.submit(f"p{i}", prompt, opts))
     engine.run_until_idle()
     assert engine.preemptions > 0
-    assert engine.stats().pages_used == 0
+    # readmitted after a preemption, a request is not counted (nor its queue wait) again
+    assert engine.stats().pages_used == 0 and engine.stats().admitted == 4
     check_against_reference(model, engine, submitted)
 
 
@@ -323,3 +324,24 @@ def test_a_closed_blocks_next_decode_row_joins_its_commit_step_only_while_steps_
         else:   # 2 blocks: 1 boundary, a step of commit rows only
             # (the first step: the prompts' commit rows with their decode rows, as prefill always does)
             assert engine.forwards == 128 + 1 and max(widths[1:]) == n_requests, (seed, engine.forwards, widths)
+
+
+def test_queue_wait_is_counted_once_per_request_from_submit_to_admission():
+    """EngineStats.admitted / queue_s_sum (the worker's Info reports them): a request that waits
+    for the only slot is counted when it is first admitted, with at least the time it waited
+    (readmission after a preemption: test_preemption_with_a_tiny_page_pool_gives_the_same_output)."""
+    import time
+
+    engine = SteerlingEngine(make_model(5), tokenizer_vocab_size=VOCAB, n_pages=32, max_slots=1)
+    first = engine.submit("first", list(range(1, 20)), DecodeOptions(64, seed=1))
+    second = engine.submit("second", list(range(1, 30)), DecodeOptions(64, seed=2))
+    t0 = time.perf_counter()
+    engine.step()
+    assert engine.stats().admitted == 1   # one slot: the second waits
+    while not first.finished:
+        engine.step()
+    waited = time.perf_counter() - t0
+    engine.run_until_idle()
+    st = engine.stats()
+    assert st.admitted == 2 and second.queued_at is None
+    assert waited <= st.queue_s_sum < waited + 5.0, (st.queue_s_sum, waited)

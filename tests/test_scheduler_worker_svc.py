@@ -218,6 +218,9 @@ def test_submit_streams_blocks_in_order_matching_reference(redis_server):
                 info = await worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.WorkerStatusRequest())
                 assert (info.model, info.preset, info.device, info.vocab_size) == ("steerling-tiny", "tiny", "cpu", VOCAB)
                 assert info.kv_pages_free == info.kv_pages_total > 0 and info.running == 0 and info.steps > 0
+                # r1 is the one request this worker served (warm-up requests are admitted, never sent)
+                assert info.first_blocks == 1 and 0 < info.first_block_seconds_sum < 60, info
+                assert info.admitted > 1 and info.queue_seconds_sum >= 0, info
                 health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
                 assert health.status == health_pb2.HealthCheckResponse.SERVING
             again = await collect(c.stub.Submit(submit_request("r1", prompt, max_new, seed, k)))

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,8 +61,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.token_limit = token_limit
         self.dtype = dtype
         self.device = device
+        self.first_blocks = 0               # requests whose first block this servicer sent
+        self.first_block_s_sum = 0.0        # their times from Submit to that block, summed
 
     async def Submit(self, request, context):
+        received = time.perf_counter()
         try:
             job = self.family.parse(request)
         except BadRequest as e:
@@ -87,6 +91,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 async for ev in stream:
                     for out in translate(ev):
+                        if received is not None and out.WhichOneof("event") == "block":
+                            self.first_blocks += 1
+                            self.first_block_s_sum += time.perf_counter() - received
+                            received = None
                         yield out
                     if isinstance(ev, FinishEvent):
                         return
@@ -105,7 +113,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return common_pb2.CancelResponse(cancelled=self.front.cancel(request.request_id))
 
     async def Info(self, request, context):
-        return self.family.status(self.front.stats(), self.model_name, self.dtype, self.device)
+        stats = self.front.stats()
+        status = self.family.status(stats, self.model_name, self.dtype, self.device)
+        # where a request's time goes inside the worker (the same for both families)
+        status.admitted, status.queue_seconds_sum = stats.admitted, stats.queue_s_sum
+        status.first_blocks, status.first_block_seconds_sum = self.first_blocks, self.first_block_s_sum
+        status.late_plans, status.late_plan_misses = stats.late_plans, stats.late_plan_misses
+        return status
 
 
 # ---- registration -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ device, what a finished request reports) comes from the engine through the hooks
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -39,6 +40,7 @@ class TrackedRequest:
     pages: list[int] = field(default_factory=list)
     admitted_at: int = -1            # preemption picks the most recently admitted
     preemptions: int = 0
+    queued_at: float | None = None   # when it was added, until its first admission
 
     @property
     def finished(self) -> bool:
@@ -62,11 +64,14 @@ class RequestTable:
         self.running: list[TrackedRequest] = []
         self._free_slots = list(range(max_slots, 0, -1))   # slot 0 is scratch
         self.preemptions = 0
+        self.admitted = 0        # requests admitted for the first time
+        self.queue_s_sum = 0.0   # their waits from `add` to that admission, summed
 
     def add(self, req: TrackedRequest) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
+        req.queued_at = time.perf_counter()
         self.waiting.append(req)
 
     def admit(self) -> None:
@@ -90,6 +95,10 @@ class RequestTable:
             req.slot = self._free_slots.pop()
             req.status = RequestStatus.RUNNING
             req.admitted_at = s._admission_stamp()
+            if req.queued_at is not None:   # its first admission: the time it waited in the queue
+                self.admitted += 1
+                self.queue_s_sum += time.perf_counter() - req.queued_at
+                req.queued_at = None
             self.running.append(req)
             s._on_admit(req)
 

@@ -51,6 +51,9 @@ class LaunchedStep:
     host: Tensor
     done: object | None   # torch.cuda.Event, None on the CPU
     host_plan: Any = None  # what the strategy decided at launch and checks when applying (optional)
+    # torch.cuda.Event the strategy recorded where the rest of the step outlasts the host's
+    # planning of the next one (None: plan it as soon as this step is launched)
+    plan_point: object | None = None
 
     def results(self) -> Tensor:
         """The packed results on the host, once their copy has landed."""
@@ -103,6 +106,10 @@ class EngineStats:
     preemptions: int
     graphs: int = 0
     overlapped_steps: int = 0
+    late_plans: int = 0          # overlapped steps planned at the step in flight's plan point
+    late_plan_misses: int = 0    # of those, launched after that step had already finished (GPU idle)
+    admitted: int = 0            # requests admitted for the first time
+    queue_s_sum: float = 0.0     # their time from submit to admission (joining a step), summed
 
 
 class DecodeStrategy(ABC):
@@ -181,6 +188,7 @@ class EngineRuntime(DecodeStrategy):
         self.overlap = overlap
         self._inflight: LaunchedStep | None = None
         self.overlapped_steps = 0
+        self.late_plans = self.late_plan_misses = 0
         self.dropped_rows = 0      # rows of a launched step whose request ended before it was applied
         self._pinned = PinnedPairs()
         self._graphs: GraphCache | None = None
@@ -241,11 +249,18 @@ class EngineRuntime(DecodeStrategy):
             self._inflight = self._launch(rows)
         current, nxt = self._inflight, None
         if self.overlap:
+            late = current.plan_point is not None
+            if late:   # GIL released: requests arriving until then join the next step, not the one after
+                current.plan_point.synchronize()
             with self._lock:   # submit/cancel (other threads) touch waiting/cancelled; launch unlocked
                 ahead = self._rows_ahead(current.rows)
             if ahead is not None:
                 nxt = self._launch(ahead, overlapped=True)
                 self.overlapped_steps += 1
+                if late:
+                    self.late_plans += 1
+                    if current.done is not None and current.done.query():
+                        self.late_plan_misses += 1
         with self._lock:
             self._apply_step(current)
             self.steps += 1
@@ -273,7 +288,9 @@ class EngineRuntime(DecodeStrategy):
                            running=len(self.table.running), waiting=len(self.table.waiting), steps=self.steps,
                            forwards=self.forwards, compiles=self.compiles, preemptions=self.table.preemptions,
                            graphs=self._graphs.captures if self._graphs is not None else 0,
-                           overlapped_steps=self.overlapped_steps)
+                           overlapped_steps=self.overlapped_steps, late_plans=self.late_plans,
+                           late_plan_misses=self.late_plan_misses, admitted=self.table.admitted,
+                           queue_s_sum=self.table.queue_s_sum)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):

@@ -78,6 +78,14 @@ TOKENS_PER_STEP_BUCKETS = (1, 4, 16, 64)
 HEAD_BUCKETS = (16, 32) + tuple(BLOCK * b for b in ROW_BUCKETS)
 
 
+# Plan point: a step in flight with at least this many head rows has the next step planned only once
+# its trunk is done (an event between its trunk and its heads), so a request arriving meanwhile joins
+# the next step instead of the one after (up to ~0.85 of a step sooner at C = 32). Its heads and
+# sampler (8B dims, H200: ~1 ms at 256 head rows, ~8 ms at 2,048) must outlast the host's planning and
+# launch of that step, or the GPU idles (`EngineStats.late_plan_misses` counts those steps).
+PLAN_LATE_HEAD_ROWS = 256
+
+
 def head_buckets_for(row_bucket: int) -> tuple[int, ...]:
     """The head-row buckets a step of `row_bucket` rows can use (besides 0: no heads)."""
     return tuple(b for b in HEAD_BUCKETS if b <= BLOCK * row_bucket)
@@ -177,7 +185,8 @@ class SteerlingEngine(EngineRuntime):
     def __init__(self, model: SteerlingModel, *, tokenizer_vocab_size: int | None = None, max_slots: int = 64,
                  n_pages: int | None = None, max_prefill_rows: int = 32, compile: bool = False,
                  cuda_graphs: bool = False, kv_fraction: float = 0.85, overlap: bool = True,
-                 capture_rows: int = 48, never_output_ids: tuple[int, ...] = ()):
+                 capture_rows: int = 48, never_output_ids: tuple[int, ...] = (),
+                 plan_late_head_rows: int | None = PLAN_LATE_HEAD_ROWS):
         self.model = model.eval()
         self.cfg = model.cfg
         p = next(model.parameters())
@@ -200,7 +209,9 @@ class SteerlingEngine(EngineRuntime):
         self.eager_steps = 0        # steps with CUDA graphs on that ran eagerly (not `capturable`)
         self._handoff: dict[int, tuple[Tensor, Tensor]] = {}   # row bucket -> trunk graphs' (tokens, hidden)
         self._idle: dict[tuple[int, int], Tensor] = {}         # (rows, width) -> results of a step without heads
-        # Overlapped steps: their tokens come from the device's block-token table.
+        # A step with at least this many head rows is given a plan point between its trunk and its
+        # heads (None: never): the next step is planned there, not as soon as this one is launched.
+        self.plan_late_head_rows = plan_late_head_rows
         self._accelerate(compile, cuda_graphs)
 
     # ---- compilation ----------------------------------------------------------------------
@@ -512,32 +523,46 @@ class SteerlingEngine(EngineRuntime):
         n_candidates = sum(bounds)
         hb = head_bucket(n_candidates, rb)
         assert n_candidates <= hb, f"{n_candidates} candidate positions, {hb} head rows"
-        packed = self._execute_device(rb, pb, hb, layout, to_device(fwd, self.device), to_device(smp, self.device))
+        packed, plan_point = self._execute_device(rb, pb, hb, layout, to_device(fwd, self.device),
+                                                  to_device(smp, self.device))
         self.forwards += 1
         self.head_rows += hb
         self.last_heads = (n_candidates, hb)
         self.position_rows += rb * BLOCK
         n_cols = layout.sampled_width if not self.want_records else packed.shape[1]
-        return LaunchedStep(rows, layout, *self._pinned.start_copy(packed[:n, :n_cols]), host_plan=bounds)
+        return LaunchedStep(rows, layout, *self._pinned.start_copy(packed[:n, :n_cols]), host_plan=bounds,
+                            plan_point=plan_point)
 
     def _apply_step(self, launched: LaunchedStep) -> None:
         self._apply(launched.rows, launched.layout.unpack(launched.results(), self.want_records),
                     launched.host_plan)
 
     def _execute_device(self, rb: int, pb: int, hb: int, layout: BlockResultLayout, fwd: ForwardInputs,
-                        smp: SamplerInputs) -> Tensor:
-        if self._graphs is None or not capturable(rb, layout.tokens_per_step, self.capture_rows):
+                        smp: SamplerInputs) -> tuple[Tensor, object | None]:
+        """The device step: the trunk, then the heads and sampler on `hb` head rows (none: the
+        trunk only, and all-zero results nobody reads). Returns (packed results, plan point)."""
+        graphs = self._graphs is not None and capturable(rb, layout.tokens_per_step, self.capture_rows)
+        if graphs:
+            self._trunk_graph(rb, pb, fwd)
+            tokens, hidden = self._handoff_buffers(rb)
+        else:
             if self._graphs is not None:
                 self.eager_steps += 1
-            return self.runner.step(layout, fwd, smp, hb)
-        self._trunk_graph(rb, pb, fwd)
+            tokens, hidden = self.runner.trunk(fwd)
         if hb == 0:
             out = self._idle.get((rb, layout.width))
             if out is None:
                 out = self._idle[(rb, layout.width)] = torch.zeros(rb, layout.width, dtype=torch.int32,
                                                                    device=self.device)
-            return out
-        return self._heads_graph(rb, hb, layout, HeadInputs(fwd.positions, fwd.n_visible), smp)
+            return out, None
+        plan_point = None
+        if self.plan_late_head_rows is not None and hb >= self.plan_late_head_rows and self.device.type == "cuda":
+            plan_point = torch.cuda.Event()
+            plan_point.record()
+        hin = HeadInputs(fwd.positions, fwd.n_visible)
+        if graphs:
+            return self._heads_graph(rb, hb, layout, hin, smp), plan_point
+        return self.runner.heads_and_sample(layout, tokens, hidden, hin, smp, hb), plan_point
 
     def _handoff_buffers(self, rb: int) -> tuple[Tensor, Tensor]:
         """Where the trunk graphs of `rb` rows leave (tokens, hidden) for the heads graphs of `rb` rows

@@ -40,7 +40,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("model", "preset", "dtype", "device", "kv_pages_total", "kv_pages_free", "running", "waiting", "steps", "compiles", "diffusion_block_size", "vocab_size", "n_known", "n_discovered", "max_context", "graphs", "overlapped_steps")
+    __slots__ = ("model", "preset", "dtype", "device", "kv_pages_total", "kv_pages_free", "running", "waiting", "steps", "compiles", "diffusion_block_size", "vocab_size", "n_known", "n_discovered", "max_context", "graphs", "overlapped_steps", "admitted", "queue_seconds_sum", "first_blocks", "first_block_seconds_sum", "late_plans", "late_plan_misses")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRESET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,12 @@ class WorkerStatus(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_FIELD_NUMBER: _ClassVar[int]
     OVERLAPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    LATE_PLANS_FIELD_NUMBER: _ClassVar[int]
+    LATE_PLAN_MISSES_FIELD_NUMBER: _ClassVar[int]
     model: str
     preset: str
     dtype: str
@@ -75,4 +81,10 @@ class WorkerStatus(_message.Message):
     max_context: int
     graphs: int
     overlapped_steps: int
-    def __init__(self, model: _Optional[str] = ..., preset: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., compiles: _Optional[int] = ..., diffusion_block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., n_known: _Optional[int] = ..., n_discovered: _Optional[int] = ..., max_context: _Optional[int] = ..., graphs: _Optional[int] = ..., overlapped_steps: _Optional[int] = ...) -> None: ...
+    admitted: int
+    queue_seconds_sum: float
+    first_blocks: int
+    first_block_seconds_sum: float
+    late_plans: int
+    late_plan_misses: int
+    def __init__(self, model: _Optional[str] = ..., preset: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., compiles: _Optional[int] = ..., diffusion_block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., n_known: _Optional[int] = ..., n_discovered: _Optional[int] = ..., max_context: _Optional[int] = ..., graphs: _Optional[int] = ..., overlapped_steps: _Optional[int] = ..., admitted: _Optional[int] = ..., queue_seconds_sum: _Optional[float] = ..., first_blocks: _Optional[int] = ..., first_block_seconds_sum: _Optional[float] = ..., late_plans: _Optional[int] = ..., late_plan_misses: _Optional[int] = ...) -> None: ...
