@@ -534,3 +534,32 @@ def test_cuda_engine_with_the_triton_verify_equals_the_reference(cuda_graphs, se
     events = run_in_waves(engine, jobs, waves=3, steps_between=3)
     assert (engine.stats().graphs > 0) == cuda_graphs
     check_all(model.cpu(), events, jobs, f"seed={seed} cuda graphs={cuda_graphs}")
+
+
+def test_a_prompt_alone_prefills_in_bigger_steps_than_one_joining_decoding_requests(seed):
+    """prefill_rows_alone prompt chunks a step while nobody decodes (nobody's step gets longer),
+    max_prefill_rows while others decode; outputs equal greedy AR either way."""
+    from worker_svc.engine.isd_engine import FIRST, PREFILL
+
+    model = lag_model(seed, lag=4, vocab=64, beta=1.0)   # no EOS: "alone" still decodes while "joining" prefills
+    engine = IsdEngine(model, n_pages=64, max_prefill_rows=2, prefill_rows_alone=4)
+    chunks_per_step: list[int] = []
+    launch = engine._launch
+
+    def counting(rows, overlapped=False):
+        chunks_per_step.append(sum(r.kind in (PREFILL, FIRST) for r in rows))
+        return launch(rows, overlapped)
+
+    engine._launch = counting
+    rng = random.Random(seed)
+    prompts = prompts_for(model, rng, (256, 256))
+    opts = IsdOptions(NEW, stride=1)
+    alone = engine.submit("alone", prompts[0], opts)
+    engine.step()
+    assert chunks_per_step == [4], (seed, chunks_per_step)   # the whole prompt in one step
+    joining = engine.submit("joining", prompts[1], opts)
+    engine.run_until_idle()
+    assert [n for n in chunks_per_step[1:] if n] == [2, 2], (seed, chunks_per_step)
+    for h, want in zip((alone, joining), generate_ar_batch(model, prompts, NEW)):
+        fin = list(engine.drain(h))[-1]
+        assert fin.output_tokens == want.tokens, f"seed={seed} {h.request_id}"

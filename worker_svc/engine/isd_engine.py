@@ -230,7 +230,8 @@ def _columns(rows: list[NamedTuple], pad: NamedTuple, n_rows: int, dtypes: dict)
 
 class IsdEngine(EngineRuntime):
     def __init__(self, model: Qwen3Model, *, max_slots: int = 64, n_pages: int | None = None, max_stride: int = 8,
-                 prefill_chunk: int = 64, max_prefill_rows: int = 32, kv_fraction: float = 0.85,
+                 prefill_chunk: int = 64, max_prefill_rows: int = 32, prefill_rows_alone: int = 64,
+                 kv_fraction: float = 0.85,
                  verify_fn: VerifyFn | None = None, cuda_graphs: bool = False, compile: bool = False,
                  overlap: bool = True, tokenizer_vocab_size: int | None = None,
                  never_output_ids: tuple[int, ...] = ()):
@@ -247,13 +248,19 @@ class IsdEngine(EngineRuntime):
                          max_slots=max_slots, overlap=overlap)
         self.max_stride = max_stride
         self.runner = IsdRunner(model, self.kv, max_slots + 1, max(max_stride - 1, 0), verify_fn,
-                                max_rows=bucket(max_slots + max(max_prefill_rows, 1), ROW_BUCKETS),
+                                max_rows=bucket(max(max_slots + max(max_prefill_rows, 1), prefill_rows_alone),
+                                                ROW_BUCKETS),
                                 tokenizer_vocab_size=tokenizer_vocab_size, never_output=never_output_ids)
         self.prefill_chunk = prefill_chunk
-        # 32 chunks of 64 = 2,048 prompt tokens a step, as the Steerling engine's 32 commit rows: a
-        # 4K prompt in 2 steps. At 8 (512 tokens a step) a 4K prompt took 8 steps, each reading every
-        # weight again with GEMMs below the dense prefill's efficiency: first token 1.45x that floor.
+        # Prompt chunks a step takes while other requests decode in it: 32 chunks of 64 = 2,048 prompt
+        # tokens, as the Steerling engine's 32 commit rows, which bounds how long the running
+        # requests' steps get (8B dims, H200: 8 x 4K prompts joining 8 running requests made their
+        # steps 70 ms; 142 ms at 64 chunks, for the same total). At 8 (512 tokens a step) a 4K prompt
+        # took 8 steps, each reading every weight again: first token 1.45x the dense prefill floor.
         self.max_prefill_rows = max_prefill_rows
+        # ... and in a step nobody decodes in (nobody to stall): a 4K prompt in one step, first
+        # token 1.27x that floor instead of 1.31x in two (bench/results, fd4929b).
+        self.prefill_rows_alone = max(prefill_rows_alone, max_prefill_rows)
         self._eos = frozenset(self.cfg.eos_token_ids)
         self._admissions = itertools.count()
         # Overlapped steps derive their windows on the device (isd_runner.advance).
@@ -394,8 +401,10 @@ class IsdEngine(EngineRuntime):
 
     def _plan(self) -> list[_Row]:
         rows: list[_Row] = []
-        budget = self.max_prefill_rows
-        for req in list(self.table.running):
+        running = list(self.table.running)
+        decoding = any(r.running and r.out and r.kv_len == r.kv_target for r in running)
+        budget = self.max_prefill_rows if decoding else self.prefill_rows_alone
+        for req in running:
             if not req.running:  # preempted for an earlier request's pages
                 continue
             own: list[_Row] = []
