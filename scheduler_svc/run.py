@@ -357,7 +357,8 @@ class RequestRun:
         submit = worker_pb2.WorkerSubmit(
             request_id=self.rid, prompt_tokens=r.prompt_tokens,
             committed_tokens=[t for b in blocks for t in b.tokens],
-            next_step=blocks[-1].next_step if blocks else 0, options=r.options, stream_steps=r.stream_steps)
+            next_step=blocks[-1].next_step if blocks else 0, options=r.options, stream_steps=r.stream_steps,
+            no_records=self.session is None)   # records feed attributions only
         if r.HasField("steering"):
             submit.steering.CopyFrom(r.steering)
         call = worker.stub.Submit(submit, timeout=self._time_left())

@@ -345,3 +345,28 @@ def test_queue_wait_is_counted_once_per_request_from_submit_to_admission():
     st = engine.stats()
     assert st.admitted == 2 and second.queued_at is None
     assert waited <= st.queue_s_sum < waited + 5.0, (st.queue_s_sum, waited)
+
+
+def test_a_request_without_records_gets_blocks_without_them_beside_one_with(seed):
+    """records=False (the worker's no_records: a request without attributions): its blocks carry no
+    concept records, while a request sharing its steps still gets every committed token's; both
+    equal the reference decoder."""
+    model = make_model(seed)
+    engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
+    rng = random.Random(seed)
+    jobs = {rid: ([rng.randrange(256) for _ in range(20 + 30 * i)], DecodeOptions(150, SamplingParams(), seed=seed + i))
+            for i, rid in enumerate(("with", "without"))}
+    handles = {rid: engine.submit(rid, p, o, records=rid == "with") for rid, (p, o) in jobs.items()}
+    solo = engine.submit("solo-without", jobs["without"][0], jobs["without"][1], records=False)
+    engine.run_until_idle()
+    for rid, h in [*handles.items(), ("solo-without", solo)]:
+        events = list(engine.drain(h))
+        blocks = [e for e in events if isinstance(e, BlockEvent)]
+        assert blocks, f"seed={seed} {rid}"
+        if rid == "with":
+            assert all(b.records is not None and len(b.records) > 0 for b in blocks), f"seed={seed}"
+        else:
+            assert all(b.records is None for b in blocks), f"seed={seed} {rid}"
+        prompt, opts = jobs["with" if rid == "with" else "without"]
+        assert events[-1].output_tokens == generate(model, prompt, opts, tokenizer_vocab_size=VOCAB).output_tokens, \
+            f"seed={seed} {rid}"

@@ -86,7 +86,8 @@ def parse_submit(req: worker_pb2.WorkerSubmit, cfg: SteerlingConfig, token_limit
         raise BadRequest(f"the request needs {pages} KV pages; this worker has {pages_usable}",
                          grpc.StatusCode.RESOURCE_EXHAUSTED)
     return Job(request_id=req.request_id, prompt=prompt, options=options, committed=committed,
-               next_step=req.next_step, stream_steps=req.stream_steps, steering=steering)
+               next_step=req.next_step, stream_steps=req.stream_steps, steering=steering,
+               records=not req.no_records)
 
 
 # ---- engine -> proto ------------------------------------------------------------------------

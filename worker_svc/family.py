@@ -23,6 +23,7 @@ class Job:
     committed: list[int]
     next_step: int
     stream_steps: bool = False    # one StepEvent per step / forward
+    records: bool = True          # raw concept records with each block (block diffusion; for attributions)
     steering: Any = None          # PreparedSteering (block diffusion only)
     stop_ids: frozenset[int] = frozenset()   # causal: the model's EOS ids and the request's stop ids
 

@@ -49,7 +49,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: list[int], options: Any, steering: Any = None,
                        committed: list[int] | None = None, next_step: int = 0,
-                       stream_steps: bool = True) -> AsyncIterator[Event]:
+                       stream_steps: bool = True, records: bool = True) -> AsyncIterator[Event]:
         """Submit and stream the request's events, ending with its FinishEvent. `options` (and
         `steering`) are the engine's own: DecodeOptions / PreparedSteering for SteerlingEngine,
         IsdOptions (no steering) for IsdEngine."""
@@ -57,7 +57,7 @@ class AsyncEngine:
             raise RuntimeError(f"engine failed: {self.error!r}")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        req = self.engine.submit(request_id, prompt, options, steering, committed, next_step, stream_steps)
+        req = self.engine.submit(request_id, prompt, options, steering, committed, next_step, stream_steps, records)
         self._streams[request_id] = (req, queue, loop)
         with self._wake:
             self._wake.notify_all()

@@ -319,10 +319,12 @@ class IsdEngine(EngineRuntime):
 
     # ---- public API -----------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], options: IsdOptions, steering=None,
-               committed: list[int] | None = None, next_step: int = 0, stream_steps: bool = True) -> IsdRequest:
+               committed: list[int] | None = None, next_step: int = 0, stream_steps: bool = True,
+               records: bool = True) -> IsdRequest:
         """Queue a request. ``committed`` (tokens already generated elsewhere) and ``next_step`` (the
         logical forward count of the IsdCommitEvent they end at) resume it; exact when that event
-        was ``resumable``. ``stream_steps`` changes nothing here: every IsdCommitEvent carries tokens."""
+        was ``resumable``. ``stream_steps`` and ``records`` change nothing here: every IsdCommitEvent
+        carries tokens, and a causal model has no concept records."""
         if steering is not None:
             raise ValueError("steering is not supported by the ISD engine")
         if not prompt:

@@ -119,9 +119,11 @@ class DecodeStrategy(ABC):
     # ---- requests ----------------------------------------------------------------------------
     @abstractmethod
     def submit(self, request_id: str, prompt: list[int], options: Any, steering: Any = None,
-               committed: list[int] | None = None, next_step: int = 0, stream_steps: bool = True) -> TrackedRequest:
+               committed: list[int] | None = None, next_step: int = 0, stream_steps: bool = True,
+               records: bool = True) -> TrackedRequest:
         """Queue a request; `committed` and `next_step` resume one that stopped elsewhere;
-        stream_steps=False drops the events only a live view of every step needs."""
+        stream_steps=False drops the events only a live view of every step needs; records=False
+        the concept records only attributions need."""
 
     @abstractmethod
     def warmup(self, max_rows: int = 4, max_new_tokens: int = 8) -> None:

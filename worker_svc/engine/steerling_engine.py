@@ -148,6 +148,7 @@ class BlockRequest(TrackedRequest):
     committed: int = 0
     block_records: list = field(default_factory=list)
     stream_steps: bool = True        # a StepEvent per step (else only blocks and the finish)
+    records: bool = True             # raw concept records with its blocks (for attributions)
 
     # its active block's predecessor just closed and awaits its commit row: the active block's
     # decode row may or may not join that step (SteerlingEngine._fold_decode_row)
@@ -230,11 +231,12 @@ class SteerlingEngine(EngineRuntime):
     # ---- public API -----------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], options: DecodeOptions,
                steering: PreparedSteering | None = None, committed: list[int] | None = None,
-               next_step: int = 0, stream_steps: bool = True) -> BlockRequest:
+               next_step: int = 0, stream_steps: bool = True, records: bool = True) -> BlockRequest:
         """Queue a request. `committed` (whole blocks already generated elsewhere, e.g. by a
         worker that died) and `next_step` resume it exactly where it stopped. stream_steps=False:
         no StepEvent per step (a served request that nobody watches denoise: its stream then wakes
-        only per block, see worker_svc/engine/async_engine.py)."""
+        only per block, see worker_svc/engine/async_engine.py). records=False: its blocks come
+        without raw concept records (a request without attributions)."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         gen_end = len(prompt) + options.max_new_tokens
@@ -249,7 +251,7 @@ class SteerlingEngine(EngineRuntime):
         return self._queue(BlockRequest(request_id=request_id, prompt=list(prompt), options=options,
                                         steering=steering, seq=seq, gen_end=gen_end,
                                         active=(len(prompt) + len(committed)) // BLOCK, committed=len(committed),
-                                        step=next_step, stream_steps=stream_steps))
+                                        step=next_step, stream_steps=stream_steps, records=records))
 
     @property
     def tokens_per_step_buckets(self) -> tuple[int, ...]:
@@ -529,13 +531,18 @@ class SteerlingEngine(EngineRuntime):
         self.head_rows += hb
         self.last_heads = (n_candidates, hb)
         self.position_rows += rb * BLOCK
-        n_cols = layout.sampled_width if not self.want_records else packed.shape[1]
+        n_cols = packed.shape[1] if self._wants_records(rows) else layout.sampled_width
         return LaunchedStep(rows, layout, *self._pinned.start_copy(packed[:n, :n_cols]), host_plan=bounds,
                             plan_point=plan_point)
 
     def _apply_step(self, launched: LaunchedStep) -> None:
-        self._apply(launched.rows, launched.layout.unpack(launched.results(), self.want_records),
+        self._apply(launched.rows, launched.layout.unpack(launched.results(), self._wants_records(launched.rows)),
                     launched.host_plan)
+
+    def _wants_records(self, rows: list[BlockRow]) -> bool:
+        """Whether a step's results bring its concept records to the host: only when a decode row's
+        request asked for them (a request without attributions never reads them)."""
+        return self.want_records and any(row.req.records for row in rows if row.is_decode)
 
     def _execute_device(self, rb: int, pb: int, hb: int, layout: BlockResultLayout, fwd: ForwardInputs,
                         smp: SamplerInputs) -> tuple[Tensor, object | None]:
@@ -622,7 +629,7 @@ class SteerlingEngine(EngineRuntime):
             req.committed += len(toks)
             if req.stream_steps:
                 req.events.append(StepEvent(req.request_id, req.step, positions, toks))
-            if res.known_idx is not None:
+            if res.known_idx is not None and req.records:
                 # numpy pieces in RawRecords field order; one RawRecords per block when it closes
                 # (torch.from_numpy per step and field costs more than the rest of this loop)
                 req.block_records.append(tuple(a[i, keep] for a in (

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerSubmit(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "committed_tokens", "next_step", "options", "steering", "stream_steps")
+    __slots__ = ("request_id", "prompt_tokens", "committed_tokens", "next_step", "options", "steering", "stream_steps", "no_records")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class WorkerSubmit(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     STEERING_FIELD_NUMBER: _ClassVar[int]
     STREAM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NO_RECORDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     committed_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +24,8 @@ class WorkerSubmit(_message.Message):
     options: _resolved_pb2.ResolvedOptions
     steering: _common_pb2.PreparedSteering
     stream_steps: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., committed_tokens: _Optional[_Iterable[int]] = ..., next_step: _Optional[int] = ..., options: _Optional[_Union[_resolved_pb2.ResolvedOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., stream_steps: bool = ...) -> None: ...
+    no_records: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., committed_tokens: _Optional[_Iterable[int]] = ..., next_step: _Optional[int] = ..., options: _Optional[_Union[_resolved_pb2.ResolvedOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., stream_steps: bool = ..., no_records: bool = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
     __slots__ = ("step", "block", "finished")
