@@ -134,6 +134,7 @@ class RequestRun:
         self._lost_worker: str | None = None
         self._call = None
         self._last_worker: WorkerHandle | None = None
+        self._just_created = False   # set by start(): see there
         stops = set(request.options.stop_ids)
         self.session = None
         if ctx.attribution is not None and request.attribution != common_pb2.ATTRIBUTION_NONE:
@@ -175,7 +176,11 @@ class RequestRun:
             sub.queue.put_nowait(end)
 
     # ---- control ------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, just_created: bool = False) -> None:
+        """just_created: this instance created the request a moment ago (it is queued unless a
+        cancel came since, which the claim then refuses), so its first placement skips reading it
+        back: under a burst every Redis round trip of the way to the worker adds up."""
+        self._just_created = just_created
         self.task = asyncio.get_running_loop().create_task(self._main(), name=f"run-{self.rid}")
 
     def cancel(self, reason: str) -> bool:
@@ -288,17 +293,20 @@ class RequestRun:
         pages = pages_needed(self.request)
         failures = 0
         while True:
-            st = await store.get(self.rid)
-            if st is None or st.terminal:
-                await self._end_from_store(st)
-                return
-            if st.status == RUNNING:   # an attempt nobody streams any more (e.g. before a restart)
-                await store.requeue(self.rid)
-                failures += 1
-                if failures > limits.max_attempts:
-                    await self._give_up(grpc.StatusCode.UNAVAILABLE, "could not take the request over")
+            if self._just_created:
+                self._just_created = False
+            else:
+                st = await store.get(self.rid)
+                if st is None or st.terminal:
+                    await self._end_from_store(st)
                     return
-                continue
+                if st.status == RUNNING:   # an attempt nobody streams any more (e.g. before a restart)
+                    await store.requeue(self.rid)
+                    failures += 1
+                    if failures > limits.max_attempts:
+                        await self._give_up(grpc.StatusCode.UNAVAILABLE, "could not take the request over")
+                        return
+                    continue
             wait = limits.queue_timeout_s
             left = self._time_left()
             worker = await pool.wait_for(self.request.model, self.avoid, wait if left is None else min(wait, left))
@@ -347,7 +355,8 @@ class RequestRun:
         return [common_pb2.BlockCommitted.FromString(p) for _, p in await self.ctx.store.blocks(self.rid)]
 
     async def _stream(self, worker: WorkerHandle, st: RequestState) -> Outcome:
-        blocks = await self._stored_blocks()
+        # blocks 0 .. next_block - 1 are stored (index CAS): a request with none skips the read
+        blocks = await self._stored_blocks() if st.next_block else []
         self.next_block = st.next_block
         for b in blocks:   # a subscriber may have missed these if an earlier attempt was interrupted
             self._publish_block(b)

@@ -301,7 +301,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 core.runs.pop(rid, None)
                 raise
             if created:
-                run.start()
+                run.start(just_created=True)
                 try:
                     yield accepted(req)
                     async for ev in self._follow(sub, -1, context):
