@@ -101,7 +101,8 @@ def test_services_bench_runs_the_stack_and_the_engine(tmp_path):
     """bench.services end to end on the CPU: a tiny benchmark model directory, the whole stack as
     processes on loopback under locust, then the in-process engine (lockstep and closed loop); every
     path at each C."""
-    d = _run("bench.services", tmp_path / "svc.json", "--concurrency", "1,2", "--duration", "4", "--new-tokens", "128",
+    # 6 s a run: a closed-loop user must finish more than one 128-token request on a loaded 2-core box
+    d = _run("bench.services", tmp_path / "svc.json", "--concurrency", "1,2", "--duration", "6", "--new-tokens", "128",
              "--engine-repeats", "1", "--stop-timeout", "60")
     assert {"commit", "gpu", "preset", "command", "runs", "ratios", "aims"} <= set(d)
     got = sorted((r["path"], r["concurrency"]) for r in d["runs"])
