@@ -283,17 +283,16 @@ def engine_runs(args, cfg: SteerlingConfig, concs: list[int], bound: int, floor_
     # and head buckets, some of which the lockstep runs above never captured)
     for c in concs:
         before = engine.stats()
-        g0, c0, s0, o0 = before.graphs, engine.compiles, engine.steps, engine.overlapped_steps
         lines = closed_loop(engine, c, args.duration, args.prompt_tokens, args.new_tokens, bound, args.seed + c)
+        after = engine.stats()
         r = {"path": "engine-closed-loop", "concurrency": c, "prompt_tokens": args.prompt_tokens,
              "new_tokens": args.new_tokens, "attribution": False, "steering": False, "stride": None,
              "duration_s": args.duration, **summarize_load(lines, c),
-             "graph_captures": engine.stats().graphs - g0, "recompiles": engine.compiles - c0,
-             "steps": engine.steps - s0, "overlapped_steps": engine.overlapped_steps - o0}
-        after = engine.stats()
-        r.update(late_plans=after.late_plans - before.late_plans,
-                 late_plan_misses=after.late_plan_misses - before.late_plan_misses,
-                 queue_ms_mean=1e3 * (after.queue_s_sum - before.queue_s_sum) / max(1, after.admitted - before.admitted))
+             "graph_captures": after.graphs - before.graphs, "recompiles": after.compiles - before.compiles,
+             "steps": after.steps - before.steps, "overlapped_steps": after.overlapped_steps - before.overlapped_steps,
+             "late_plans": after.late_plans - before.late_plans,
+             "late_plan_misses": after.late_plan_misses - before.late_plan_misses,
+             "queue_ms_mean": 1e3 * (after.queue_s_sum - before.queue_s_sum) / max(1, after.admitted - before.admitted)}
         runs.append(r)
         print(f"engine closed loop C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s']:.3f}s  "
               f"inter-block {r['inter_block_s'] or 0:.3f}s  requests {r['requests']}  graph captures "

@@ -211,16 +211,6 @@ class StepRunner:
         return HeadInputs(positions=torch.zeros((rows, BLOCK), dtype=torch.long, device=dev),
                           n_visible=torch.full((rows,), BLOCK, dtype=torch.long, device=dev))
 
-    def step(self, layout: BlockResultLayout, fwd: ForwardInputs, smp: SamplerInputs, head_rows: int) -> Tensor:
-        """The whole device step in one call (no CUDA graphs): the trunk, then heads on `head_rows`
-        compacted positions and the sampler (packed results). head_rows = 0 (no decode row): the
-        trunk only (K/V writes), and all-zero results nobody reads."""
-        tokens, hidden = self.trunk(fwd)
-        if head_rows == 0:
-            return torch.zeros(tokens.shape[0], layout.width, dtype=torch.int32, device=tokens.device)
-        return self.heads_and_sample(layout, tokens, hidden, HeadInputs(fwd.positions, fwd.n_visible), smp,
-                                     head_rows)
-
     def sample(self, layout: BlockResultLayout, tokens: Tensor, positions: Tensor, heads: HeadsOutput,
                head_rows: HeadRows, s: SamplerInputs, row_len: Tensor | None = None) -> Tensor:
         """Pick and draw up to layout.tokens_per_step positions per decode row; returns the packed
