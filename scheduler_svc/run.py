@@ -36,7 +36,7 @@ from cde.rpc.finish import FINISH_REASON_BY_NAME, FINISH_REASON_TEXT
 from cde.rpc.v1 import common_pb2, scheduler_pb2, worker_pb2
 from scheduler_svc.attribution import AttributionPool, AttributionSession
 from scheduler_svc.spec import first_block, pages_needed, stored_after
-from scheduler_svc.state import CANCELLED, FAILED, FINISHED, RUNNING, RequestState, RequestStore
+from scheduler_svc.state import CANCELLED, FAILED, FINISHED, RUNNING, Claimed, RequestState, RequestStore
 from scheduler_svc.workers import Reservation, WorkerHandle, WorkerPool
 
 log = logging.getLogger("scheduler_svc.run")
@@ -322,15 +322,14 @@ class RequestRun:
             reservation = pool.reserve(worker, self.rid, pages, self.worker_lost)
             try:
                 claimed = await store.claim(self.rid, worker.worker_id)
-                st = await store.get(self.rid) if claimed else None
             except BaseException:
                 pool.release(reservation, placed=False)
                 raise
             # not claimed: cancelled meanwhile (seen above next round) or claimed by another instance
-            if not claimed or st is None or st.status != RUNNING or st.worker != worker.worker_id:
+            if claimed is None:
                 pool.release(reservation, placed=False)
                 continue
-            outcome = await self._stream_reserved(reservation, st)
+            outcome = await self._stream_reserved(reservation, claimed)
             if outcome is Outcome.DONE:
                 return
             failures += 1
@@ -341,7 +340,7 @@ class RequestRun:
             await asyncio.sleep(min(0.05 * failures, 1.0))
 
     # ---- one placement ----------------------------------------------------------------------------
-    async def _stream_reserved(self, reservation: Reservation, st: RequestState) -> Outcome:
+    async def _stream_reserved(self, reservation: Reservation, st: Claimed) -> Outcome:
         """Stream from the reserved worker; the reservation ends with the stream."""
         worker = reservation.worker
         self.worker = self._last_worker = worker
@@ -354,7 +353,7 @@ class RequestRun:
     async def _stored_blocks(self) -> list[common_pb2.BlockCommitted]:
         return [common_pb2.BlockCommitted.FromString(p) for _, p in await self.ctx.store.blocks(self.rid)]
 
-    async def _stream(self, worker: WorkerHandle, st: RequestState) -> Outcome:
+    async def _stream(self, worker: WorkerHandle, st: Claimed) -> Outcome:
         # blocks 0 .. next_block - 1 are stored (index CAS): a request with none skips the read
         blocks = await self._stored_blocks() if st.next_block else []
         self.next_block = st.next_block
@@ -456,23 +455,19 @@ class RequestRun:
         if fin.reason == common_pb2.FINISH_REASON_CANCELLED:   # cancelled at the worker directly
             await self._cancelled(fin.message or "cancelled by the worker")
             return Outcome.DONE
+        ending = fin.SerializeToString()   # saved with the transition, for replays
         if fin.reason == common_pb2.FINISH_REASON_ERROR:
-            ok = await self._redis(lambda: store.fail(self.rid, fin.message or "worker error", attempt), "fail")
+            ok = await self._redis(lambda: store.fail(self.rid, fin.message or "worker error", attempt, ending), "fail")
         else:
             # stop or length; an unspecified reason reads as stop
-            ok = await self._redis(lambda: store.finish(self.rid, FINISH_REASON_TEXT.get(fin.reason, "stop"), attempt),
-                                   "finish")
+            ok = await self._redis(lambda: store.finish(self.rid, FINISH_REASON_TEXT.get(fin.reason, "stop"), attempt,
+                                                        ending), "finish")
         if not ok:
             return await self._ownership_lost()
-        await self._save_end(fin)
         self._end(End(finished=fin))
         return Outcome.DONE
 
-    # ---- endings ----------------------------------------------------------------------------------
-    async def _save_end(self, fin: common_pb2.Finished) -> None:
-        """Record how the request ended, for replays. Called right after the terminal
-        transition succeeded, so the first ending wins (NX) and it expires with the request."""
-        await self._redis(lambda: self.ctx.store.save_ending(self.rid, fin.SerializeToString()), "saving the ending")
+    # ---- endings (each terminal transition saves its Finished for replays in the same script) ----
 
     async def _flush_stored(self) -> None:
         """Publish stored blocks a subscriber has not had (an interrupted commit)."""
@@ -491,9 +486,7 @@ class RequestRun:
     async def _cancelled(self, reason: str) -> None:
         store = self.ctx.store
         fin = common_pb2.Finished(reason=common_pb2.FINISH_REASON_CANCELLED, message=reason)
-        if await self._redis(lambda: store.cancel(self.rid), "cancel"):
-            await self._save_end(fin)
-        else:
+        if not await self._redis(lambda: store.cancel(self.rid, fin.SerializeToString()), "cancel"):
             st = await store.get(self.rid)
             if st is not None and st.status in (FINISHED, FAILED):   # it ended first: report that
                 await self._end_from_store(st)
@@ -514,8 +507,9 @@ class RequestRun:
         log.warning("request %s failed: %s %s", self.rid, code.name, message)
         try:
             # still queued: cancelled is its only way out of the queue
-            if await store.fail(self.rid, message) or await store.cancel(self.rid):
-                await self._save_end(common_pb2.Finished(reason=common_pb2.FINISH_REASON_ERROR, message=message))
+            ending = common_pb2.Finished(reason=common_pb2.FINISH_REASON_ERROR, message=message).SerializeToString()
+            if not await store.fail(self.rid, message, ending=ending):
+                await store.cancel(self.rid, ending)
         except redis.exceptions.RedisError as e:
             log.error("request %s: could not record the failure: %s", self.rid, e)
         self._end(End(code=code, message=message))

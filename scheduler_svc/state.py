@@ -15,7 +15,8 @@ State machine (every arrow is ONE Lua script, a compare-and-set on ``status``)::
                   └─────────────────────────────────────────> cancelled
 
 * ``create``      absent   -> queued  (False if the id exists: idempotent submit)
-* ``claim``       queued   -> running (sets worker, SADD running:{w}, ZREM queue)
+* ``claim``       queued   -> running (sets worker, SADD running:{w}, ZREM queue; returns the
+                                       ``next_block`` and ``attempt`` streaming needs)
 * ``requeue``     running  -> queued  (worker lost: attempt += 1, worker cleared, back in the
                                        queue at its original enqueue time; committed blocks
                                        and ``next_block`` are KEPT, the next attempt resumes)
@@ -23,7 +24,9 @@ State machine (every arrow is ONE Lua script, a compare-and-set on ``status``)::
 * ``fail``        running  -> failed
 * ``cancel``      queued|running -> cancelled
 * terminal states (finished, failed, cancelled) are final: the request hash AND its blocks
-  hash get a TTL (``finished_ttl_s``), the id leaves the queue and the running set.
+  hash get a TTL (``finished_ttl_s``), the id leaves the queue and the running set;
+  ``finish`` / ``fail`` / ``cancel`` may carry the ending (``end:{id}``) to save in the
+  same script.
 
 Any other transition is refused (the call returns False) and changes nothing.
 
@@ -42,7 +45,7 @@ Keys (``P`` = prefix, default ``cde:``)::
                               created_at updated_at finish_reason error spec attempt
     P req:{id}:blocks   hash  block_index -> payload bytes (opaque)
     P end:{id}          str   how the request ended (a Finished message, bytes), for replays;
-                              written once (NX) after the terminal transition, same TTL
+                              written once (NX) with or after the terminal transition, same TTL
     P queue             zset  id, score = first enqueue time (server clock, seconds)
     P running:{worker}  set   ids running on that worker
     P workers           hash  worker_id -> JSON {"heartbeat": t, "registered_at": t, "info": {...}}
@@ -102,14 +105,17 @@ return 1
 """
 
 # KEYS: req, queue, counts, running:{worker}   ARGV: id, worker
+# -> 0, or {next_block, attempt} of the request now running there (what streaming it needs, so the
+# caller makes no second round trip to read them)
 _CLAIM = _NOW + """
-if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+local v = redis.call('HMGET', KEYS[1], 'status', 'next_block', 'attempt')
+if v[1] ~= 'queued' then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'updated_at', now())
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[4], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'queued', -1)
 redis.call('HINCRBY', KEYS[3], 'running', 1)
-return 1
+return {tonumber(v[2]), tonumber(v[3])}
 """
 
 # KEYS: req, blocks   ARGV: block_index, payload, n_tokens, attempt ('' = any)
@@ -128,15 +134,15 @@ redis.call('HSET', KEYS[1], 'updated_at', now())
 return 'stored'
 """
 
-# KEYS: req, blocks, queue, counts
+# KEYS: req, blocks, queue, counts, end
 # ARGV: id, new_status, ttl_s, field ('' = none), value, attempt ('' = any), running_prefix,
-#       allowed_from...
+#       ending ('' = none: saved with the transition, first ending wins), allowed_from...
 _TERMINATE = _NOW + """
 local v = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempt')
 local st = v[1]
 if not st then return 0 end
 local ok = false
-for i = 8, #ARGV do
+for i = 9, #ARGV do
   if ARGV[i] == st then ok = true end
 end
 if not ok then return 0 end
@@ -149,6 +155,7 @@ redis.call('HINCRBY', KEYS[4], st, -1)
 redis.call('HINCRBY', KEYS[4], ARGV[2], 1)
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[3]))
+if ARGV[8] ~= '' then redis.call('SET', KEYS[5], ARGV[8], 'EX', tonumber(ARGV[3]), 'NX') end
 return 1
 """
 
@@ -206,6 +213,13 @@ return 1
 _REMOVE_WORKER = """
 return redis.call('HDEL', KEYS[1], ARGV[1])
 """
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """What a successful ``claim`` read in the same script: where the new attempt resumes."""
+    next_block: int
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -311,15 +325,19 @@ class RequestStore:
             args=[request_id, spec, prompt_tokens])
         return bool(r)
 
-    async def claim(self, request_id: str, worker: str) -> bool:
-        """queued -> running on ``worker``. False unless the request is queued."""
+    async def claim(self, request_id: str, worker: str) -> Claimed | None:
+        """queued -> running on ``worker``: the request's `Claimed` state, read in the same
+        script; None (nothing changes) unless the request is queued."""
         _check_id("request id", request_id)
         _check_id("worker id", worker)
         r = await self._claim(
             keys=[self.req_key(request_id), self.queue_key, self.counts_key,
                   self.running_key(worker)],
             args=[request_id, worker])
-        return bool(r)
+        if not r:
+            return None
+        next_block, attempt = r
+        return Claimed(next_block=int(next_block), attempt=int(attempt))
 
     async def append_block(self, request_id: str, block_index: int, payload: bytes,
                            n_tokens: int, attempt: int | None = None) -> str:
@@ -342,29 +360,35 @@ class RequestStore:
         return _s(r)
 
     async def _end(self, request_id: str, status: str, field: str, value: str,
-                   attempt: int | None) -> bool:
+                   attempt: int | None, ending: bytes | None) -> bool:
         _check_id("request id", request_id)
         if attempt is not None:
             _check_nonneg("attempt", attempt)
+        if ending is not None and (not isinstance(ending, (bytes, bytearray)) or not ending):
+            raise TypeError(f"ending must be non-empty bytes, got {type(ending).__name__}")
         r = await self._terminate(
             keys=[self.req_key(request_id), self.blocks_key(request_id), self.queue_key,
-                  self.counts_key],
+                  self.counts_key, self.end_key(request_id)],
             args=[request_id, status, self.finished_ttl_s, field, value,
                   "" if attempt is None else attempt, self._running_prefix,
-                  *_TERMINAL_FROM[status]])
+                  b"" if ending is None else bytes(ending), *_TERMINAL_FROM[status]])
         return bool(r)
 
-    async def finish(self, request_id: str, reason: str, attempt: int | None = None) -> bool:
+    # ``ending`` (opaque bytes, optional): how the request ended, saved by the same script when
+    # the transition succeeds, as `save_ending` would right after it (the first ending wins).
+    async def finish(self, request_id: str, reason: str, attempt: int | None = None,
+                     ending: bytes | None = None) -> bool:
         """running -> finished (``finish_reason`` = reason). Optional attempt guard."""
-        return await self._end(request_id, FINISHED, "finish_reason", str(reason), attempt)
+        return await self._end(request_id, FINISHED, "finish_reason", str(reason), attempt, ending)
 
-    async def fail(self, request_id: str, error: str, attempt: int | None = None) -> bool:
+    async def fail(self, request_id: str, error: str, attempt: int | None = None,
+                   ending: bytes | None = None) -> bool:
         """running -> failed (``error`` = error). Optional attempt guard."""
-        return await self._end(request_id, FAILED, "error", str(error), attempt)
+        return await self._end(request_id, FAILED, "error", str(error), attempt, ending)
 
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, request_id: str, ending: bytes | None = None) -> bool:
         """queued|running -> cancelled (``finish_reason`` = "cancelled")."""
-        return await self._end(request_id, CANCELLED, "finish_reason", CANCELLED, None)
+        return await self._end(request_id, CANCELLED, "finish_reason", CANCELLED, None, ending)
 
     async def requeue(self, request_id: str, worker: str | None = None) -> bool:
         """running -> queued (attempt += 1, worker cleared). With ``worker``, only if the

@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from cde.redis_util import EmbeddedRedis, RedisServerError, redis_server_binary
-from scheduler_svc.state import STATUSES, RequestStore
+from scheduler_svc.state import STATUSES, Claimed, RequestStore
 from tests.redis_fixture import run
 
 SPEC = json.dumps({"max_new_tokens": 256, "temperature": 0.0, "steering": []})
@@ -80,6 +80,50 @@ def test_fail_and_cancel_paths(redis_client):
         assert await s.queued_ids() == [] and await s.running_ids("w") == []
         assert await assert_counts_consistent(s) == {
             "queued": 0, "running": 0, "finished": 0, "failed": 1, "cancelled": 2}
+    run(body, redis_client)
+
+
+def test_claim_returns_where_the_attempt_resumes(redis_client):
+    """claim reads next_block and attempt in its own script (the run streams from them without
+    reading the request back): 0/0 when new, the stored blocks and the bumped attempt after a
+    requeue."""
+    async def body(r):
+        s = RequestStore(r)
+        assert await s.create("r", SPEC, 3)
+        assert await s.claim("r", "w0") == Claimed(next_block=0, attempt=0)
+        for i in range(2):
+            assert await s.append_block("r", i, payload(i), 64, attempt=0) == "stored"
+        assert await s.requeue("r", "w0")
+        assert await s.claim("r", "w1") == Claimed(next_block=2, attempt=1)
+        assert await s.claim("r", "w2") is None          # running: refused, nothing changes
+        st = await s.get("r")
+        assert (st.status, st.worker, st.next_block, st.attempt) == ("running", "w1", 2, 1)
+        assert await s.claim("absent", "w1") is None
+    run(body, redis_client)
+
+
+def test_terminal_transitions_save_the_ending_with_them(redis_client):
+    """finish / fail / cancel store the ending in the same script when they succeed, never when
+    refused, and the first ending wins (as save_ending's NX)."""
+    async def body(r):
+        s = RequestStore(r, finished_ttl_s=77)
+        for rid in ("f", "x", "c", "q"):
+            assert await s.create(rid, SPEC, 1)
+        for rid in ("f", "x", "c"):
+            assert await s.claim(rid, "w")
+        assert not await s.finish("q", "eos", ending=b"never")     # queued: refused
+        assert await s.ending("q") is None
+        assert await s.finish("f", "eos", attempt=0, ending=b"fin-f")
+        assert await s.fail("x", "boom", ending=b"fin-x")
+        assert await s.cancel("c", ending=b"fin-c")
+        assert await s.cancel("q")                                  # no ending given: none saved
+        assert [await s.ending(k) for k in ("f", "x", "c", "q")] == [b"fin-f", b"fin-x", b"fin-c", None]
+        assert 0 < await r.ttl(s.end_key("f")) <= 77
+        assert not await s.save_ending("f", b"later")               # the first ending wins
+        assert not await s.cancel("f", ending=b"late")              # terminal: refused, ending kept
+        assert await s.ending("f") == b"fin-f"
+        with pytest.raises(TypeError):
+            await s.finish("f", "eos", ending=b"")
     run(body, redis_client)
 
 
@@ -216,8 +260,9 @@ def test_concurrent_claims_one_winner(redis_client):
         s = RequestStore(r)
         await s.create("q", SPEC, 1)
         res = await asyncio.gather(*[s.claim("q", f"w{i}") for i in range(20)])
-        assert sum(res) == 1
-        winner = f"w{res.index(True)}"
+        won = [i for i, c in enumerate(res) if c is not None]
+        assert len(won) == 1 and res[won[0]] == Claimed(next_block=0, attempt=0)
+        winner = f"w{won[0]}"
         assert (await s.get("q")).worker == winner
         for i in range(20):
             assert await s.running_ids(f"w{i}") == ([("q")] if f"w{i}" == winner else [])

@@ -38,6 +38,7 @@ from cde.steerling.sampling import SamplingParams
 from scheduler_svc.service import SchedulerOptions, start_scheduler
 from scheduler_svc.state import RequestStore
 from tests.redis_fixture import flush
+from worker_svc.engine.steerling_engine import BlockEvent, SteerlingEngine
 from worker_svc.service import WorkerOptions, start_worker
 
 pytestmark = pytest.mark.e2e
@@ -175,8 +176,25 @@ async def stored_indices(c: Cluster, rid: str) -> list[int]:
 def long_job(i: int, max_new: int = 300) -> tuple[list[int], int, int, int]:
     """The i-th (prompt, max_new, tokens_per_step, seed) that the tiny model runs for at least 4
     blocks (no early <|eot_id|>), found with the reference decoder so the tests do not depend on
-    which seeds happen to run long."""
+    which seeds happen to run long, and whose tokens the engine alone (fp32, as the workers run)
+    reproduces: in fp32 the two sum in different orders, so a sampled run can flip at a near-tie
+    of confidences on one CPU and not on another (long_job(2) did at 48 prompt tokens on a 2-core
+    box, seed 3: block 1 differed at 9 positions, equal in float64). These tests are about what
+    the services do with an exact engine, not about fp32 ties."""
     return _long_jobs(max_new)[i]
+
+
+def _engine_reproduces(prompt: list[int], max_new: int, k: int, seed: int) -> bool:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as `run` gives the workers
+    try:
+        engine = SteerlingEngine(model(), tokenizer_vocab_size=VOCAB, max_slots=2, n_pages=64)
+        handle = engine.submit("probe", prompt, DecodeOptions(max_new, SamplingParams(), k, seed=seed))
+        engine.run_until_idle()
+    finally:
+        torch.set_num_threads(threads)
+    got = [ev.tokens for ev in engine.drain(handle) if isinstance(ev, BlockEvent)]
+    return got == [b.tokens for b in reference(tuple(prompt), max_new, k, seed).blocks]
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,7 +202,7 @@ def _long_jobs(max_new: int) -> list[tuple[list[int], int, int, int]]:
     found = []
     for seed in range(1, 200):
         prompt = prompt_of(20 + 7 * (seed % 9), offset=seed % 5 + 1)
-        if len(reference(tuple(prompt), max_new, 4, seed).blocks) >= 4:
+        if len(reference(tuple(prompt), max_new, 4, seed).blocks) >= 4 and _engine_reproduces(prompt, max_new, 4, seed):
             found.append((prompt, max_new, 4, seed))
             if len(found) == 5:
                 return found
