@@ -30,6 +30,7 @@ the same shapes (so compiles and CUDA-graph captures stay out of the timed runs)
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -146,9 +147,14 @@ class Tracker:
         self.first_output: dict[str, float] = {}
         self.step_times: dict[str, list[float]] = {}
         self.handles: list = []
+        self.launch_rows: list[int] = []   # rows of every step launched, in order
+        self.gc_s = 0.0                    # garbage-collector pauses, summed
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
         launch = side.engine._launch
 
         def tracked_launch(rows, overlapped=False):
+            self.launch_rows.append(len(rows))
             now = time.perf_counter()
             decodes: dict[str, bool] = {}
             for row in rows:
@@ -166,6 +172,12 @@ class Tracker:
             return launch(rows, overlapped)
 
         side.engine._launch = tracked_launch
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_started
 
     def submit(self, tag: str, n: int, prompt_len: int, new_tokens: int, variant, seed: int) -> list:
         gen = torch.Generator().manual_seed(seed)
@@ -240,11 +252,15 @@ def ttfb_run(tracker: Tracker, prompt_len: int, variant, joins: int, running: in
         tracker.step_until(lambda: all(len(tracker.step_times.get(h.request_id, ())) >= before_steps or h.finished
                                        for h in runners))
     g0 = eng.stats().graphs
+    launched0, gc0 = len(tracker.launch_rows), tracker.gc_s
     t0 = time.perf_counter()
     joiners = tracker.submit("join", joins, prompt_len, side.first_block_tokens(prompt_len), variant, seed + 1)
     tracker.step_until(lambda: all(h.request_id in tracker.first_output for h in joiners))
     t_end = time.perf_counter()
     captures = eng.stats().graphs - g0
+    # the steps launched until the last first output (a step launched ahead is counted too) and
+    # the collector's pauses meanwhile: what a repeat slower than the others spent its time on
+    step_rows, gc_ms = tracker.launch_rows[launched0:], 1e3 * (tracker.gc_s - gc0)
     alive = sum(1 for h in runners if not h.finished)   # a runner that ended early stops counting
     before, during = [], []
     for h in runners:
@@ -263,19 +279,26 @@ def ttfb_run(tracker: Tracker, prompt_len: int, variant, joins: int, running: in
             "prefill_s": statistics.median(prefill) if prefill else None,
             "running_step_ms_before": _summary(before), "running_step_ms_during": _summary(during),
             "stall_ratio": (max(during) / statistics.median(before)) if before and during else None,
-            "graph_captures_while_timed": captures}
+            "graph_captures_while_timed": captures, "steps_launched": len(step_rows), "rows_per_step": step_rows,
+            "gc_pause_ms": gc_ms}
 
 
-def measured(fn, repeats: int, warmup: bool = True):
-    """An untimed warm-up call of fn(seed) (compiles, graph captures), then the repeat whose
-    headline figure is the median."""
+def measured(fn, repeats: int, warmup: bool = True, engine=None):
+    """An untimed warm-up call of fn(seed) (compiles, graph captures; then the heap is frozen, as
+    the worker's warm-up does: `EngineRuntime.freeze_heap`), then the repeat whose headline
+    figure is the median. `repeats` in run order; `repeat_details` each repeat's steps and GC."""
     if warmup:
         fn(999)
+        if engine is not None:
+            engine.freeze_heap()
     runs = [fn(i + 1) for i in range(repeats)]
     key = "ms_per_forward" if "ms_per_forward" in runs[0] else "ttfb_s"
-    runs.sort(key=lambda r: r[key])
-    best = runs[len(runs) // 2]
+    order = sorted(range(len(runs)), key=lambda i: runs[i][key])
+    best = dict(runs[order[len(runs) // 2]])
     best["repeats"] = [r[key] for r in runs]
+    if "steps_launched" in best:
+        best["repeat_details"] = [{key: r[key], "steps_launched": r["steps_launched"], "gc_pause_ms": r["gc_pause_ms"]}
+                                  for r in runs]
     return best
 
 
@@ -358,7 +381,7 @@ def main() -> None:
     for ctx in contexts:
         for v in side.variants:
             for c in args.concurrency:
-                r = measured(lambda seed: decode_run(tracker, c, ctx, args.new_tokens, v, seed), args.repeats, not args.no_warmup)
+                r = measured(lambda seed: decode_run(tracker, c, ctx, args.new_tokens, v, seed), args.repeats, not args.no_warmup, side.engine)
                 key = (side.queries(v), mean_cached_keys(r["prompt_tokens"], args.new_tokens, side.block), c)
                 if key in decode_floor:
                     r["floor"] = {"ms_per_forward": round(decode_floor[key], 3), "context": key[1], "query_tokens": key[0]}
@@ -371,7 +394,7 @@ def main() -> None:
 
     v = side.variants[0]
     for p in ttfb_prompts:
-        alone = measured(lambda seed: ttfb_run(tracker, p, v, 1, 0, 0, 0, seed), args.repeats, not args.no_warmup)
+        alone = measured(lambda seed: ttfb_run(tracker, p, v, 1, 0, 0, 0, seed), args.repeats, not args.no_warmup, side.engine)
         steps = side.first_block_steps(p)
         if (p, 1) in prefill_floor:
             pf = prefill_floor[(p, 1)] / 1e3
@@ -386,7 +409,7 @@ def main() -> None:
               flush=True)
         if args.joins and args.running:
             j = measured(lambda seed: ttfb_run(tracker, p, v, args.joins, args.running, args.running_prompt,
-                                               args.before_steps, seed), args.repeats, not args.no_warmup)
+                                               args.before_steps, seed), args.repeats, not args.no_warmup, side.engine)
             j["ttfb_over_alone"] = j["ttfb_s"] / alone["ttfb_s"]
             if (p, args.joins) in prefill_floor:
                 j["prefill_floor_s"] = prefill_floor[(p, args.joins)] / 1e3

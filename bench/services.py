@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -140,6 +141,61 @@ def worker_timing(before, after, ttfb_mean_s: float) -> dict:
             "worker_late_plan_misses": after.late_plan_misses - before.late_plan_misses}
 
 
+def gateway_ttfb(base_url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of the gateway's own time-to-first-block histogram (GET /metrics):
+    from its handler taking the parsed request to the first block it translates."""
+    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+    total = {"_sum": 0.0, "_count": 0.0}
+    for line in text.splitlines():
+        for suffix in total:
+            if line.startswith(f"cde:time_to_first_block_seconds{suffix}"):
+                total[suffix] += float(line.rsplit(" ", 1)[1])
+    return total["_sum"], total["_count"]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(stack: Stack) -> dict[str, float]:
+    """CPU seconds so far of every service process of the stack, Redis included (Linux only)."""
+    pids = {svc.name: svc.proc.pid for svc in stack.services if svc.proc is not None}
+    if stack.redis is not None and stack.redis.pid is not None:
+        pids["redis"] = stack.redis.pid
+    try:
+        return {name: cpu_seconds(pid) for name, pid in pids.items()}
+    except OSError:   # no /proc (not Linux)
+        return {}
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's waited-for children (the locust run) so far."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def stack_split(run: dict, gw_before: tuple[float, float], gw_after: tuple[float, float],
+                cpu_before: dict[str, float], cpu_after: dict[str, float], client_cpu_s: float) -> dict:
+    """Where the client's mean time to first block goes beyond the worker's (`worker_timing`):
+    the gateway's own mean (handler -> first block), so the client side (the load client, HTTP
+    parsing and validation before the handler, SSE writes) and the gateway + scheduler + Redis
+    side; and the CPU each process spent per request (a burst of C requests queues behind it)."""
+    n = gw_after[1] - gw_before[1]
+    out: dict = {"gateway_ttfb_s_mean": (gw_after[0] - gw_before[0]) / n if n else None}
+    if out["gateway_ttfb_s_mean"] is not None:
+        out["client_side_ttfb_s"] = run["ttfb_mean_s"] - out["gateway_ttfb_s_mean"]
+        if run.get("worker_first_block_s_mean") is not None:
+            out["gateway_scheduler_ttfb_s"] = out["gateway_ttfb_s_mean"] - run["worker_first_block_s_mean"]
+    requests = max(run["requests"], 1)
+    cpu = {name: 1e3 * (cpu_after[name] - cpu_before[name]) / requests for name in cpu_after if name in cpu_before}
+    cpu["load_client"] = 1e3 * client_cpu_s / requests
+    out["cpu_ms_per_request"] = {k: round(v, 3) for k, v in cpu.items()}
+    return out
+
+
 def run_locust(base_url: str, concurrency: int, duration: float, events: Path, env: dict, stop_timeout: float) -> None:
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", str(concurrency),
            "-r", str(concurrency), "-t", f"{duration:g}s", "--stop-timeout", f"{stop_timeout:g}",
@@ -181,9 +237,11 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
         worker_port = next(svc.grpc_port for svc in stack.services if svc.name.startswith("worker"))
         for c in concs:
             events = work / f"load-c{c}.jsonl"
-            before = worker_status(worker_port)
+            before, gw_before, cpu_before, client0 = (worker_status(worker_port), gateway_ttfb(stack.base_url),
+                                                      process_cpu(stack), children_cpu())
             run_locust(stack.base_url, c, args.duration, events, env, args.stop_timeout)
-            after = worker_status(worker_port)
+            after, gw_after, cpu_after = worker_status(worker_port), gateway_ttfb(stack.base_url), process_cpu(stack)
+            client_cpu = children_cpu() - client0
             lines = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
             if args.out:   # the per-request lines beside the JSON, for looking into a figure later
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -197,6 +255,7 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
                  # steps launched before the previous one's results were read (the rest idle the GPU)
                  "worker_overlapped_steps": after.overlapped_steps - before.overlapped_steps}
             r.update(worker_timing(before, after, r["ttfb_mean_s"]))
+            r.update(stack_split(r, gw_before, gw_after, cpu_before, cpu_after, client_cpu))
             runs.append(r)
             print(f"services C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s']:.3f}s  "
                   f"inter-block {r['inter_block_s'] or 0:.3f}s  tail {r['stream_tail_s'] or 0:.3f}s  requests {r['requests']}"
@@ -204,7 +263,9 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
                   f"  overlapped {r['worker_overlapped_steps']}/{r['worker_steps']} steps"
                   f" (planned late {r['worker_late_plans']}, missed {r['worker_late_plan_misses']})"
                   f"  in the worker: queue {r['worker_queue_ms_mean'] or 0:.1f} ms, first block {r['worker_first_block_s_mean'] or 0:.3f}s;"
-                  f" stack {1e3 * (r['stack_ttfb_s'] or 0):.1f} ms", flush=True)
+                  f" stack {1e3 * (r['stack_ttfb_s'] or 0):.1f} ms (client side {1e3 * (r.get('client_side_ttfb_s') or 0):.1f},"
+                  f" gateway + scheduler {1e3 * (r.get('gateway_scheduler_ttfb_s') or 0):.1f});"
+                  f" CPU ms/request {r['cpu_ms_per_request']}", flush=True)
     finally:
         stack.stop()
     return runs

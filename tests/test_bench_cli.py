@@ -91,6 +91,9 @@ def test_long_context_isd(tmp_path):
     (alone,) = d["ttfb"]
     # t0 comes from the prefill's logits: the first-token floor is the prefill floor alone
     assert alone["first_block_steps"] == 0 and alone["first_block_floor_s"] == alone["prefill_floor_s"], alone
+    # ... and the 64-token prompt is one chunk of one step, in every repeat (steps are counted per repeat)
+    assert alone["steps_launched"] == 1 and alone["rows_per_step"] == [1], alone
+    assert [r["steps_launched"] for r in alone["repeat_details"]] == [1] * len(alone["repeats"]), alone
     assert d["prefill_floor"][0]["lm_head_tokens"] == 1
     assert d["joins"][0]["running_step_ms_during"]["n"] >= 1, d["joins"]
 
@@ -121,6 +124,14 @@ def test_services_bench_runs_the_stack_and_the_engine(tmp_path):
     assert all(r["worker_steps"] > 0 and r["worker_graph_captures"] == 0 and r["worker_recompiles"] == 0
                for r in services), services
     assert set(d["ratios"]) == {"1", "2"} and all(v["tok_per_s"] > 0 for v in d["ratios"].values()), d["ratios"]
+    # where the time to first block goes beyond the worker: the gateway's own mean (from /metrics) sits
+    # inside the client's, and every process's CPU per request is there (Linux /proc; locust's rusage)
+    for r in services:
+        assert 0 < r["gateway_ttfb_s_mean"] <= r["ttfb_mean_s"], r
+        assert r["client_side_ttfb_s"] == r["ttfb_mean_s"] - r["gateway_ttfb_s_mean"], r
+        cpu = r["cpu_ms_per_request"]
+        assert {"gateway", "scheduler", "worker0", "redis", "steering", "attribution", "load_client"} <= set(cpu), cpu
+        assert cpu["worker0"] > 0 and cpu["gateway"] > 0 and cpu["load_client"] > 0, cpu
 
 
 def test_random_weights_take_the_concept_tables_and_refuse_a_trained_model(tmp_path):
