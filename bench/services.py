@@ -126,6 +126,29 @@ def worker_status(port: int):
                                                   metadata=token_metadata())
 
 
+def scheduler_stats(port: int):
+    """The scheduler's Stats (its relay timing so far), over loopback gRPC."""
+    import grpc
+
+    from cde.rpc.internal_auth import token_metadata
+    from cde.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return scheduler_pb2_grpc.SchedulerStub(ch).Stats(scheduler_pb2.StatsRequest(), timeout=10,
+                                                         metadata=token_metadata())
+
+
+def scheduler_timing(before, after) -> dict:
+    """The scheduler's means over the run: Submit received -> Worker.Submit issued, and a first
+    block read from the worker -> published to the request's streams."""
+    placed, firsts = after.placed - before.placed, after.first_blocks - before.first_blocks
+    return {"scheduler_submit_ms_mean": 1e3 * (after.submit_to_worker_seconds_sum - before.submit_to_worker_seconds_sum)
+            / placed if placed else None,
+            "scheduler_first_block_relay_ms_mean": 1e3 * (after.first_block_relay_seconds_sum
+                                                          - before.first_block_relay_seconds_sum) / firsts
+            if firsts else None}
+
+
 def worker_timing(before, after, ttfb_mean_s: float) -> dict:
     """Where the time to first block goes, from two of the worker's Info (cumulative sums): the
     mean wait from Submit to joining a step, the mean time from Submit to the first block leaving
@@ -235,12 +258,15 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
         env = dict(os.environ, PYTHONUNBUFFERED="1", CDE_LOAD_PROMPT_TOKENS=str(args.prompt_tokens),
                    CDE_LOAD_MAX_TOKENS=str(args.new_tokens), CDE_LOAD_TOKEN_BOUND=str(bound))
         worker_port = next(svc.grpc_port for svc in stack.services if svc.name.startswith("worker"))
+        scheduler_port = next(svc.grpc_port for svc in stack.services if svc.name == "scheduler")
         for c in concs:
             events = work / f"load-c{c}.jsonl"
-            before, gw_before, cpu_before, client0 = (worker_status(worker_port), gateway_ttfb(stack.base_url),
-                                                      process_cpu(stack), children_cpu())
+            before, sched_before, gw_before, cpu_before, client0 = (
+                worker_status(worker_port), scheduler_stats(scheduler_port), gateway_ttfb(stack.base_url),
+                process_cpu(stack), children_cpu())
             run_locust(stack.base_url, c, args.duration, events, env, args.stop_timeout)
-            after, gw_after, cpu_after = worker_status(worker_port), gateway_ttfb(stack.base_url), process_cpu(stack)
+            after, sched_after, gw_after, cpu_after = (worker_status(worker_port), scheduler_stats(scheduler_port),
+                                                       gateway_ttfb(stack.base_url), process_cpu(stack))
             client_cpu = children_cpu() - client0
             lines = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
             if args.out:   # the per-request lines beside the JSON, for looking into a figure later
@@ -256,6 +282,7 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
                  "worker_overlapped_steps": after.overlapped_steps - before.overlapped_steps}
             r.update(worker_timing(before, after, r["ttfb_mean_s"]))
             r.update(stack_split(r, gw_before, gw_after, cpu_before, cpu_after, client_cpu))
+            r.update(scheduler_timing(sched_before, sched_after))
             runs.append(r)
             print(f"services C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s']:.3f}s  "
                   f"inter-block {r['inter_block_s'] or 0:.3f}s  tail {r['stream_tail_s'] or 0:.3f}s  requests {r['requests']}"
@@ -264,7 +291,9 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
                   f" (planned late {r['worker_late_plans']}, missed {r['worker_late_plan_misses']})"
                   f"  in the worker: queue {r['worker_queue_ms_mean'] or 0:.1f} ms, first block {r['worker_first_block_s_mean'] or 0:.3f}s;"
                   f" stack {1e3 * (r['stack_ttfb_s'] or 0):.1f} ms (client side {1e3 * (r.get('client_side_ttfb_s') or 0):.1f},"
-                  f" gateway + scheduler {1e3 * (r.get('gateway_scheduler_ttfb_s') or 0):.1f});"
+                  f" gateway + scheduler {1e3 * (r.get('gateway_scheduler_ttfb_s') or 0):.1f}; in the scheduler:"
+                  f" to the worker {r['scheduler_submit_ms_mean'] or 0:.1f} ms, first block relay"
+                  f" {r['scheduler_first_block_relay_ms_mean'] or 0:.1f} ms);"
                   f" CPU ms/request {r['cpu_ms_per_request']}", flush=True)
     finally:
         stack.stop()

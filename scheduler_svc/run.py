@@ -27,7 +27,7 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import redis.exceptions
@@ -61,6 +61,16 @@ class RunLimits:
     detach_grace_s: float    # after the last client stream leaves, before cancelling
 
 
+@dataclass
+class RelayTiming:
+    """Cumulative time runs spend in this scheduler on the way to the worker and back with their
+    first block (reported by Stats: where a request's time to first block goes)."""
+    placed: int = 0
+    submit_to_worker_s: float = 0.0
+    first_blocks: int = 0
+    first_block_relay_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class RunContext:
     """What a request's run needs from the scheduler, handed to it."""
@@ -72,6 +82,7 @@ class RunContext:
     redis_failed: Callable[[Exception], Awaitable[None]]   # a Redis call failed (health follows)
     closing: Callable[[], bool]                            # the scheduler is shutting down
     ended: Callable[[RequestRun], None]                    # the run's task is over
+    timing: RelayTiming = field(default_factory=RelayTiming)
 
 
 def stored_finished(st: RequestState, saved: bytes | None) -> common_pb2.Finished:
@@ -135,6 +146,7 @@ class RequestRun:
         self._call = None
         self._last_worker: WorkerHandle | None = None
         self._just_created = False   # set by start(): see there
+        self._placed = False         # sent to a worker once (RelayTiming counts the first time)
         stops = set(request.options.stop_ids)
         self.session = None
         if ctx.attribution is not None and request.attribution != common_pb2.ATTRIBUTION_NONE:
@@ -370,6 +382,11 @@ class RequestRun:
         if r.HasField("steering"):
             submit.steering.CopyFrom(r.steering)
         call = worker.stub.Submit(submit, timeout=self._time_left())
+        timing = self.ctx.timing
+        if not self._placed:
+            self._placed = True
+            timing.placed += 1
+            timing.submit_to_worker_s += time.monotonic() - self.started
         self._call, self._lost_worker = call, None
         try:
             while True:
@@ -381,8 +398,12 @@ class RequestRun:
                     if r.stream_steps:
                         self._publish(scheduler_pb2.SchedulerEvent(step=ev.step), step=True)
                 elif kind == "block":
+                    read_at, first = time.monotonic(), self.published_upto < 0
                     if not await self._commit(ev.block, ev.block.last, st.attempt):
                         return await self._ownership_lost()
+                    if first and self.published_upto >= 0:
+                        timing.first_blocks += 1
+                        timing.first_block_relay_s += time.monotonic() - read_at
                 elif kind == "finished":
                     return await self._finished(ev.finished, st.attempt)
             return await self._worker_failed(worker, "stream ended without Finished")

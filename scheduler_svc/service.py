@@ -434,8 +434,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Stats(self, request, context):
         runs = list(self.core.runs.values())
         running = sum(1 for r in runs if r.worker is not None)
+        t = self.core.run_context.timing
         return scheduler_pb2.StatsResponse(running=running, waiting=len(runs) - running,
-                                           workers=self.core.pool.stats())
+                                           workers=self.core.pool.stats(), placed=t.placed,
+                                           submit_to_worker_seconds_sum=t.submit_to_worker_s,
+                                           first_blocks=t.first_blocks,
+                                           first_block_relay_seconds_sum=t.first_block_relay_s)
 
 
 # ---- server -------------------------------------------------------------------------------------------

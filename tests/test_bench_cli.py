@@ -129,6 +129,9 @@ def test_services_bench_runs_the_stack_and_the_engine(tmp_path):
     for r in services:
         assert 0 < r["gateway_ttfb_s_mean"] <= r["ttfb_mean_s"], r
         assert r["client_side_ttfb_s"] == r["ttfb_mean_s"] - r["gateway_ttfb_s_mean"], r
+        assert 0 < r["scheduler_submit_ms_mean"] and 0 < r["scheduler_first_block_relay_ms_mean"], r
+        assert (r["scheduler_submit_ms_mean"] + r["scheduler_first_block_relay_ms_mean"]) / 1e3 \
+            < r["gateway_scheduler_ttfb_s"], r   # both inside the gateway's own share
         cpu = r["cpu_ms_per_request"]
         assert {"gateway", "scheduler", "worker0", "redis", "steering", "attribution", "load_client"} <= set(cpu), cpu
         assert cpu["worker0"] > 0 and cpu["gateway"] > 0 and cpu["load_client"] > 0, cpu

@@ -70,11 +70,19 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("running", "waiting", "workers")
+    __slots__ = ("running", "waiting", "workers", "placed", "submit_to_worker_seconds_sum", "first_blocks", "first_block_relay_seconds_sum")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_TO_WORKER_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_RELAY_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    placed: int
+    submit_to_worker_seconds_sum: float
+    first_blocks: int
+    first_block_relay_seconds_sum: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., placed: _Optional[int] = ..., submit_to_worker_seconds_sum: _Optional[float] = ..., first_blocks: _Optional[int] = ..., first_block_relay_seconds_sum: _Optional[float] = ...) -> None: ...
