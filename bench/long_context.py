@@ -405,8 +405,8 @@ def main() -> None:
         result["ttfb"].append(alone)
         save()
         print(f"ttfb {alone['decoder']} prompt {p} alone: {alone['ttfb_s']:.3f} s (prefill {alone['prefill_s']} s;"
-              f" floor {alone.get('first_block_floor_s', 0):.3f} s, ratio {alone.get('ratio_to_first_block_floor', 0):.3f})",
-              flush=True)
+              f" floor {alone.get('first_block_floor_s', 0):.3f} s, ratio {alone.get('ratio_to_first_block_floor', 0):.3f});"
+              f" repeats {alone.get('repeat_details')}", flush=True)
         if args.joins and args.running:
             j = measured(lambda seed: ttfb_run(tracker, p, v, args.joins, args.running, args.running_prompt,
                                                args.before_steps, seed), args.repeats, not args.no_warmup, side.engine)

@@ -15,6 +15,7 @@
 #   bash bench/run_h200.sh long-context # both engines at 1K/2K/4K context, C=1, 8 vs the floor there; time to first
 #                                       block (1K, 4K prompt) alone and 8 joining 8 running (long-context-steerling / -isd: one each)
 #   bash bench/run_h200.sh isd-prefill-rows # I-DLM-8B time to first token alone and joining, 32 vs 64 prompt rows a step
+#   bash bench/run_h200.sh isd-ttfb    # I-DLM-8B time to first token (1K, 4K) alone and joining, at the engine's defaults
 #   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
 #   bash bench/run_h200.sh train-all       # both bundled models (idlm-small beside steerling-small + its eval)
 #   bash bench/run_h200.sh eval-idlm       # idlm-8b ISD bench, then idlm-small's full evaluation with H200 speed
@@ -97,6 +98,12 @@ case "$stage" in
         --out "$OUT/long-context-idlm-8b-h200-$short-prefill$rows.json" 2>&1 | grep -v Warning \
         | tee "$OUT/long-context-idlm-8b-h200-$short-prefill$rows.txt"
     done ;;
+  isd-ttfb)
+    # I-DLM-8B time to first token (1K, 4K prompts; 8 joining 8 running) at the engine's defaults, no
+    # decode runs; each repeat's steps, rows per step and GC pauses are in the JSON
+    python3 -m bench.long_context --engine isd --preset idlm-8b --contexts "" \
+      --out "$OUT/long-context-idlm-8b-h200-$short-ttfb.json" 2>&1 | grep -v Warning \
+      | tee "$OUT/long-context-idlm-8b-h200-$short-ttfb.txt" ;;
   train-steerling)
     # steerling-small: corpus (stories generated here + the committed prose), training, held-out
     # evaluation, in one command of < 10 minutes. Returns the sharded bf16 weights, config,
