@@ -219,10 +219,21 @@ def stack_split(run: dict, gw_before: tuple[float, float], gw_after: tuple[float
     return out
 
 
-def run_locust(base_url: str, concurrency: int, duration: float, events: Path, env: dict, stop_timeout: float) -> None:
+def load_processes(concurrency: int, requested: int) -> int:
+    """Locust processes for C users: `requested`, or (0) one per 8 users up to 4. One gevent
+    process times every stream's events in turn, so at C = 32 a burst of first blocks waits in the
+    load client itself (the client-side share of the time to first block grew from 3 to 19 ms
+    between C = 1 and 32, eea1fda) unless the users are spread over processes."""
+    return requested if requested > 0 else max(1, min(4, concurrency // 8))
+
+
+def run_locust(base_url: str, concurrency: int, duration: float, events: Path, env: dict, stop_timeout: float,
+               processes: int = 1) -> None:
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", str(concurrency),
            "-r", str(concurrency), "-t", f"{duration:g}s", "--stop-timeout", f"{stop_timeout:g}",
            "--host", base_url, "--only-summary", "--loglevel", "WARNING"]
+    if processes > 1:
+        cmd += ["--processes", str(processes)]
     proc = subprocess.run(cmd, cwd=events.parent, env=dict(env, CDE_LOAD_EVENTS=str(events)), capture_output=True,
                           text=True, timeout=duration + stop_timeout + 120)
     # locust exits 1 when a request failed; summarize_load reports those failures by name
@@ -264,7 +275,8 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
             before, sched_before, gw_before, cpu_before, client0 = (
                 worker_status(worker_port), scheduler_stats(scheduler_port), gateway_ttfb(stack.base_url),
                 process_cpu(stack), children_cpu())
-            run_locust(stack.base_url, c, args.duration, events, env, args.stop_timeout)
+            processes = load_processes(c, args.load_processes)
+            run_locust(stack.base_url, c, args.duration, events, env, args.stop_timeout, processes)
             after, sched_after, gw_after, cpu_after = (worker_status(worker_port), scheduler_stats(scheduler_port),
                                                        gateway_ttfb(stack.base_url), process_cpu(stack))
             client_cpu = children_cpu() - client0
@@ -274,7 +286,7 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
                 shutil.copyfile(events, Path(args.out).with_suffix(f".c{c}.jsonl"))
             r = {"path": "services", "concurrency": c, "prompt_tokens": args.prompt_tokens,
                  "new_tokens": args.new_tokens, "attribution": False, "steering": False, "stride": None,
-                 "duration_s": args.duration, **summarize_load(lines, c),
+                 "duration_s": args.duration, "load_processes": processes, **summarize_load(lines, c),
                  # shape buckets the warm-up did not capture: each costs a capture inside the run
                  "worker_graph_captures": after.graphs - before.graphs,
                  "worker_recompiles": after.compiles - before.compiles, "worker_steps": after.steps - before.steps,
@@ -417,6 +429,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--duration", type=float, default=40.0, help="seconds of load per concurrency")
     ap.add_argument("--stop-timeout", type=float, default=120.0, help="seconds locust lets open streams finish")
+    ap.add_argument("--load-processes", type=int, default=0,
+                    help="locust processes per run (0: one per 8 users, at most 4)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0, help="random weights (worker and engine alike)")

@@ -143,43 +143,51 @@ async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, o
 
 async def _sse_events(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, opts: RestOptions,
                       on_error: Callable[[int], None]) -> AsyncIterator[str]:
+    """The response's SSE events. Events that are ready together go out as one body chunk (one
+    socket write): a request's end (final chunk, usage, [DONE]) is one write, not three, which
+    counts when a burst of requests ends in the same engine step."""
     stopper = StopStringMatcher(opts.stop_strings)
     sent_chars = 0   # of the response text, for usage after a stop string
+    out: list[str] = []
     try:
         ev = first
         while ev is not None:
             kind = ev.WhichOneof("event")
             if kind == "accepted":
-                yield _sse(fmt.accepted_chunk(ev.accepted))
+                out.append(_sse(fmt.accepted_chunk(ev.accepted)))
             elif kind == "step":
                 if opts.steps:
-                    yield _sse(fmt.step_chunk(ev.step))
+                    out.append(_sse(fmt.step_chunk(ev.step)))
             elif kind == "block":
                 piece = stopper.feed(ev.block.text)
                 sent_chars += len(piece)
-                yield _sse(fmt.block_chunk(ev.block, piece))
+                out.append(_sse(fmt.block_chunk(ev.block, piece)))
                 if stopper.stopped:
                     usage = _stop_usage(stream, sent_chars)
-                    yield _sse(fmt.final_chunk("stop"))
+                    out.append(_sse(fmt.final_chunk("stop")))
                     if opts.include_usage:
-                        yield _sse(fmt.usage_chunk(usage))
+                        out.append(_sse(fmt.usage_chunk(usage)))
                     break
             elif kind == "finished":
                 tail = stopper.flush()
                 if tail:
-                    yield _sse(fmt.text_chunk(tail))
+                    out.append(_sse(fmt.text_chunk(tail)))
                 if ev.finished.reason == common_pb2.FINISH_REASON_ERROR:
                     raise _error_finish(ev.finished)
-                yield _sse(fmt.final_chunk(stream.finish_reason or "stop"))
+                out.append(_sse(fmt.final_chunk(stream.finish_reason or "stop")))
                 if opts.include_usage:
-                    yield _sse(fmt.usage_chunk(ev.finished.usage))
+                    out.append(_sse(fmt.usage_chunk(ev.finished.usage)))
+            if out and not stream.done:   # the next event needs a wait: send what is ready first
+                yield "".join(out)
+                out.clear()
             ev = await stream.next()
     except GatewayError as e:  # headers are out: report in-band, like OpenAI does
         on_error(e.http_status)
-        yield _sse(e.body())
+        out.append(_sse(e.body()))
     finally:
         stream.close()  # client gone or done: cancels the scheduler call if still open
-    yield "data: [DONE]\n\n"
+    out.append("data: [DONE]\n\n")
+    yield "".join(out)
 
 
 async def _until_disconnect(receive: Receive) -> None:

@@ -115,8 +115,9 @@ class RequestTimer:
         else:
             gap = now - self.last_block
             m.inter_block.labels(label).observe(gap)
+            itl = m.itl.labels(label)   # once: one observation per token of the block
             for _ in range(n_tokens):
-                m.itl.labels(label).observe(gap / n_tokens)
+                itl.observe(gap / n_tokens)
         self.last_block = now
         self.step(n_tokens)
         m.generation_tokens.labels(label).inc(n_tokens)
