@@ -530,9 +530,13 @@ class GenerationStream:
     _primed_tokens: int = field(default=0)
     _closed: bool = field(default=False)
     # usage: characters of this response's text after each of its output tokens (the tokens'
-    # bytes through their own UTF-8 decoder, primed like the detokenizer's on a Resume)
+    # bytes through their own UTF-8 decoder, primed like the detokenizer's on a Resume). Only a
+    # stop string needs them, so the blocks' tokens wait in _uncounted until tokens_in_text asks
+    # (one decode per token was half of a block's translation: ~0.07 ms of 0.14 with cl100k).
     _text_ends: list[int] = field(default_factory=list)
     _chars: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    _uncounted: list[tuple[list[int], bool]] = field(default_factory=list)   # (tokens, primed) in order
+    _response_tokens: int = field(default=0)
 
     def __post_init__(self) -> None:
         self.timer.metrics.in_flight.labels(self.timer.metrics.model).inc()
@@ -541,7 +545,7 @@ class GenerationStream:
     @property
     def response_tokens(self) -> int:
         """Output tokens this response carries (a Resume's: those after the blocks skipped)."""
-        return len(self._text_ends)
+        return self._response_tokens
 
     def tokens_in_text(self, n_chars: int) -> int:
         """Tokens that the first `n_chars` characters of this response's text hold: the shortest
@@ -549,14 +553,22 @@ class GenerationStream:
         text-less tokens right after the cut do not). What usage counts after a stop string."""
         if n_chars <= 0:
             return 0
+        self._count_text()
         return min(bisect.bisect_left(self._text_ends, n_chars) + 1, len(self._text_ends))
 
-    def _count_text(self, tokens: list[int], primed: bool) -> None:
-        total = self._text_ends[-1] if self._text_ends else 0
-        for t in tokens:
-            total += len(self._chars.decode(self.detok.token_text_bytes(t), final=False))
-            if not primed:
-                self._text_ends.append(total)
+    def _note_tokens(self, tokens: list[int], primed: bool) -> None:
+        self._uncounted.append((tokens, primed))
+        if not primed:
+            self._response_tokens += len(tokens)
+
+    def _count_text(self) -> None:
+        for tokens, primed in self._uncounted:
+            total = self._text_ends[-1] if self._text_ends else 0
+            for t in tokens:
+                total += len(self._chars.decode(self.detok.token_text_bytes(t), final=False))
+                if not primed:
+                    self._text_ends.append(total)
+        self._uncounted.clear()
 
     async def next(self) -> generate_pb2.GenerateResponse | None:
         while not self.done:
@@ -628,7 +640,7 @@ class GenerationStream:
                 self.reattach.progress()
             res = self.detok.feed(b.tokens)
             primed = self.skip_through is not None and b.block_index <= self.skip_through
-            self._count_text(res.tokens, primed)
+            self._note_tokens(res.tokens, primed)
             if primed:
                 self._primed_tokens += len(res.tokens)
                 return None
