@@ -9,10 +9,13 @@
 2. Starts the whole stack with cde.launch.Stack on loopback: Redis, steering, attribution,
    scheduler, one worker (`--random-weights SEED`; on CUDA bf16, --compile, --cuda-graphs),
    gateway; warms every concurrency up through the gateway (full-length requests).
-3. For each C: locust headless (bench/locust_sse.py), C users streaming POST /v1/completions
-   (SSE, prompt of random token ids) in a closed loop for --duration s; every request's block
-   arrival times go to a JSON-lines file. tok/s counts the blocks that arrive while all C
-   users are running (from the C-th request's start to the last request's start).
+3. For each C: locust headless (bench/locust_sse.py; one process per 8 users, at most 4), C
+   users streaming POST /v1/completions (SSE, prompt of random token ids) in a closed loop for
+   --duration s; every request's block arrival times go to a JSON-lines file. tok/s counts the
+   blocks that arrive while all C users are running (from the C-th request's start to the last
+   request's start). The client's time to first block is split with the services' own
+   counters (the worker's Info, the scheduler's Stats, the gateway's /metrics) and each
+   process's CPU per request.
 4. Stops the stack, then runs the engine in this process (bench.steerling.run_once, the same
    model sizes, prompt length and new tokens, steering/attribution off like the requests) at
    the same concurrencies, the median of --engine-repeats runs after warm-up; then the same
