@@ -27,7 +27,6 @@ Writes one JSON after every run (fields of docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 
@@ -35,7 +34,7 @@ import torch
 
 from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
-from bench.steerling import GpuTimer, json_writer, run_record
+from bench.steerling import GcPauses, GpuTimer, json_writer, run_record
 from cde.steerling.random_weights import random_model
 from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
 
@@ -52,6 +51,7 @@ class StepClock:
 
     def __init__(self, engine: IsdEngine, cuda: bool):
         self.gpu = GpuTimer(cuda)
+        self.gc = GcPauses()   # the collector's pauses inside the measured stretch
         self.reset()
         step, device_step, apply = engine.step, self.gpu.wrap(engine._device_step), engine._apply
         started = [0.0]
@@ -72,27 +72,17 @@ class StepClock:
 
         engine.step, engine._device_step, engine._apply = timed_step, timed_device_step, timed_apply
 
-        gc.callbacks.append(self._on_gc)
-        self._gc_started = 0.0
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        """Garbage-collector pauses inside the measured stretch (a full collection can stall a step)."""
-        if phase == "start":
-            self._gc_started = time.perf_counter()
-        else:
-            self.gc_s += time.perf_counter() - self._gc_started
-            self.gc_full += info.get("generation") == 2
-
     def reset(self) -> None:
         self.gpu.pairs.clear()
-        self.host_s = self.apply_s = self.gc_s = 0.0
-        self.launches = self.gc_full = 0
+        self.host_s = self.apply_s = 0.0
+        self.launches = 0
+        self.gc.reset()
 
     def report(self, wall: float) -> dict:
         busy = self.gpu.busy_s() if self.gpu.enabled else None
         n = max(self.launches, 1)
         return {"host_ms_per_step": self.host_s / n * 1e3, "apply_ms_per_step": self.apply_s / n * 1e3,
-                "gc_pause_ms": self.gc_s * 1e3, "gc_full_collections": self.gc_full,
+                "gc_pause_ms": self.gc.seconds * 1e3, "gc_full_collections": self.gc.full,
                 "gpu_ms_per_forward": busy / n * 1e3 if busy is not None else None,
                 "gpu_idle_frac": max(0.0, 1 - busy / wall) if busy is not None else None}
 

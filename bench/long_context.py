@@ -30,7 +30,6 @@ the same shapes (so compiles and CUDA-graph captures stay out of the timed runs)
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from bench.steerling import json_writer, run_record
+from bench.steerling import GcPauses, json_writer, run_record
 from cde.blocks import BLOCK
 
 _DECODE_KINDS = ("cold", "verify", "overlapped")   # isd_engine.RowKind values of decode windows
@@ -148,9 +147,7 @@ class Tracker:
         self.step_times: dict[str, list[float]] = {}
         self.handles: list = []
         self.launch_rows: list[int] = []   # rows of every step launched, in order
-        self.gc_s = 0.0                    # garbage-collector pauses, summed
-        self._gc_started = 0.0
-        gc.callbacks.append(self._on_gc)
+        self.gc = GcPauses()               # the collector's pauses, summed
         launch = side.engine._launch
 
         def tracked_launch(rows, overlapped=False):
@@ -172,12 +169,6 @@ class Tracker:
             return launch(rows, overlapped)
 
         side.engine._launch = tracked_launch
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_started = time.perf_counter()
-        else:
-            self.gc_s += time.perf_counter() - self._gc_started
 
     def submit(self, tag: str, n: int, prompt_len: int, new_tokens: int, variant, seed: int) -> list:
         gen = torch.Generator().manual_seed(seed)
@@ -252,7 +243,7 @@ def ttfb_run(tracker: Tracker, prompt_len: int, variant, joins: int, running: in
         tracker.step_until(lambda: all(len(tracker.step_times.get(h.request_id, ())) >= before_steps or h.finished
                                        for h in runners))
     g0 = eng.stats().graphs
-    launched0, gc0 = len(tracker.launch_rows), tracker.gc_s
+    launched0, gc0 = len(tracker.launch_rows), tracker.gc.seconds
     t0 = time.perf_counter()
     joiners = tracker.submit("join", joins, prompt_len, side.first_block_tokens(prompt_len), variant, seed + 1)
     tracker.step_until(lambda: all(h.request_id in tracker.first_output for h in joiners))
@@ -260,7 +251,7 @@ def ttfb_run(tracker: Tracker, prompt_len: int, variant, joins: int, running: in
     captures = eng.stats().graphs - g0
     # the steps launched until the last first output (a step launched ahead is counted too) and
     # the collector's pauses meanwhile: what a repeat slower than the others spent its time on
-    step_rows, gc_ms = tracker.launch_rows[launched0:], 1e3 * (tracker.gc_s - gc0)
+    step_rows, gc_ms = tracker.launch_rows[launched0:], 1e3 * (tracker.gc.seconds - gc0)
     alive = sum(1 for h in runners if not h.finished)   # a runner that ended early stops counting
     before, during = [], []
     for h in runners:

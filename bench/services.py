@@ -117,28 +117,30 @@ def summarize_load(lines: list[dict], concurrency: int) -> dict:
             "stream_tail_s": statistics.median(tails) if tails else None}
 
 
-def worker_status(port: int):
-    """The worker's Info (steps, compiles, CUDA graphs captured so far), over loopback gRPC."""
+def _internal_call(port: int, call):
+    """call(channel, metadata) on a loopback channel to an internal service (its token sent)."""
     import grpc
 
     from cde.rpc.internal_auth import token_metadata
-    from cde.rpc.v1 import worker_pb2, worker_pb2_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.WorkerStatusRequest(), timeout=10,
-                                                  metadata=token_metadata())
+        return call(ch, token_metadata())
+
+
+def worker_status(port: int):
+    """The worker's Info (steps, compiles, CUDA graphs captured so far, its timing sums)."""
+    from cde.rpc.v1 import worker_pb2, worker_pb2_grpc
+
+    return _internal_call(port, lambda ch, md: worker_pb2_grpc.WorkerStub(ch).Info(
+        worker_pb2.WorkerStatusRequest(), timeout=10, metadata=md))
 
 
 def scheduler_stats(port: int):
-    """The scheduler's Stats (its relay timing so far), over loopback gRPC."""
-    import grpc
-
-    from cde.rpc.internal_auth import token_metadata
+    """The scheduler's Stats (its relay timing so far)."""
     from cde.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        return scheduler_pb2_grpc.SchedulerStub(ch).Stats(scheduler_pb2.StatsRequest(), timeout=10,
-                                                         metadata=token_metadata())
+    return _internal_call(port, lambda ch, md: scheduler_pb2_grpc.SchedulerStub(ch).Stats(
+        scheduler_pb2.StatsRequest(), timeout=10, metadata=md))
 
 
 def scheduler_timing(before, after) -> dict:

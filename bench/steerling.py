@@ -15,6 +15,7 @@ short still leaves its figures.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -79,6 +80,27 @@ def json_writer(path: str | None, result: dict):
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2) + "\n")
     return save
+
+
+class GcPauses:
+    """The garbage collector's pauses from construction on (`gc.callbacks`): seconds summed and
+    full (generation 2) collections counted; a full collection can stall a step for milliseconds."""
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        self.reset()
+        gc.callbacks.append(self._on_gc)
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+            self.full += info.get("generation") == 2
 
 
 class GpuTimer:

@@ -72,22 +72,28 @@ def submit_request(rid: str, prompt: list[int], max_new: int, seed: int, k: int 
                                              repetition_penalty=1.1)), **kw)
 
 
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """One intra-op thread, as the test bodies run: two engine threads, the servers and the
+    reference share a small CI box, and oversubscribed OpenMP spinning makes run times erratic."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run(coro_fn, *args, refs=()):
     """Run a test body in a fresh event loop. ``refs``: reference runs to compute first, so the
     (blocking) reference decoder never stalls the servers' loop (heartbeats would lapse)."""
-    threads = torch.get_num_threads()
-    # one intra-op thread: two engine threads, the servers and the reference share a small CI
-    # box, and oversubscribed OpenMP spinning makes run times erratic
-    torch.set_num_threads(1)
-    try:
+    with one_intra_op_thread():
         for r in refs:
             reference(*r)
 
         async def main():
             return await asyncio.wait_for(coro_fn(*args), TEST_TIMEOUT_S)
         return asyncio.run(main())
-    finally:
-        torch.set_num_threads(threads)
 
 
 @dataclass
@@ -185,14 +191,10 @@ def long_job(i: int, max_new: int = 300) -> tuple[list[int], int, int, int]:
 
 
 def _engine_reproduces(prompt: list[int], max_new: int, k: int, seed: int) -> bool:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # as `run` gives the workers
-    try:
+    with one_intra_op_thread():   # as `run` gives the workers
         engine = SteerlingEngine(model(), tokenizer_vocab_size=VOCAB, max_slots=2, n_pages=64)
         handle = engine.submit("probe", prompt, DecodeOptions(max_new, SamplingParams(), k, seed=seed))
         engine.run_until_idle()
-    finally:
-        torch.set_num_threads(threads)
     got = [ev.tokens for ev in engine.drain(handle) if isinstance(ev, BlockEvent)]
     return got == [b.tokens for b in reference(tuple(prompt), max_new, k, seed).blocks]
 
