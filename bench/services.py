@@ -188,13 +188,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live children of a process (a multi-process gateway's supervisor: its gateways)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):   # gone meanwhile
+                continue
+    return out
+
+
 def process_cpu(stack: Stack) -> dict[str, float]:
-    """CPU seconds so far of every service process of the stack, Redis included (Linux only)."""
+    """CPU seconds so far of every service process of the stack, Redis included, a service's
+    child processes counted with it (Linux only)."""
     pids = {svc.name: svc.proc.pid for svc in stack.services if svc.proc is not None}
     if stack.redis is not None and stack.redis.pid is not None:
         pids["redis"] = stack.redis.pid
     try:
-        return {name: cpu_seconds(pid) for name, pid in pids.items()}
+        return {name: cpu_seconds(pid) + sum(cpu_seconds(c) for c in child_pids(pid)) for name, pid in pids.items()}
     except OSError:   # no /proc (not Linux)
         return {}
 
@@ -255,7 +270,7 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
         worker_args += ["--kv-pages", str(args.kv_pages)]
     ns = argparse.Namespace(model_dir=str(model_dir), device="cuda" if cuda else "cpu", workers=1, host="127.0.0.1",
                             http_port=0, grpc_port=0, run_dir=str(work / "run"), timeout=args.startup_timeout,
-                            worker_args=worker_args)
+                            worker_args=worker_args, gateway_processes=args.gateway_processes)
     stack = Stack(ns)
     runs = []
     try:
@@ -291,7 +306,8 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
                 shutil.copyfile(events, Path(args.out).with_suffix(f".c{c}.jsonl"))
             r = {"path": "services", "concurrency": c, "prompt_tokens": args.prompt_tokens,
                  "new_tokens": args.new_tokens, "attribution": False, "steering": False, "stride": None,
-                 "duration_s": args.duration, "load_processes": processes, **summarize_load(lines, c),
+                 "duration_s": args.duration, "load_processes": processes,
+                 "gateway_processes": args.gateway_processes, **summarize_load(lines, c),
                  # shape buckets the warm-up did not capture: each costs a capture inside the run
                  "worker_graph_captures": after.graphs - before.graphs,
                  "worker_recompiles": after.compiles - before.compiles, "worker_steps": after.steps - before.steps,
@@ -436,6 +452,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stop-timeout", type=float, default=120.0, help="seconds locust lets open streams finish")
     ap.add_argument("--load-processes", type=int, default=0,
                     help="locust processes per run (0: one per 8 users, at most 4)")
+    ap.add_argument("--gateway-processes", type=int, default=4,
+                    help="gateway processes sharing its port (compose.yaml's GPU host runs 4)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0, help="random weights (worker and engine alike)")

@@ -142,7 +142,8 @@ class Stack:
         self.services.append(Service("gateway", py + [
             "gateway", "--model-dir", model, "--host", a.host, "--http-port", str(p["gateway_http"]),
             "--grpc-port", str(p["gateway_grpc"]), "--scheduler", f"127.0.0.1:{p['scheduler']}",
-            "--steering", f"127.0.0.1:{p['steering']}", *getattr(a, "gateway_args", ())],
+            "--steering", f"127.0.0.1:{p['steering']}", "--processes", str(getattr(a, "gateway_processes", 1) or 1),
+            *getattr(a, "gateway_args", ())],
             http_port=p["gateway_http"], grpc_port=p["gateway_grpc"]))
         self.ports = p
         self.env = env = dict(os.environ, PYTHONUNBUFFERED="1", REDIS_URL=redis_url)
@@ -270,6 +271,8 @@ def main() -> None:
                     help=f"gateway REST port (0 = {DEFAULT_HTTP_PORT} if free, else any)")
     ap.add_argument("--grpc-port", type=int, default=0,
                     help=f"gateway gRPC port (0 = {DEFAULT_GRPC_PORT} if free, else any)")
+    ap.add_argument("--gateway-processes", type=int, default=1,
+                    help="gateway processes sharing its two ports (> 1: a burst of requests is spread over them)")
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--demo", action="store_true", help="send one demo request once healthy")

@@ -1,14 +1,18 @@
-"""`python -m gateway --model-dir models/steerling-tiny ...` (flags fall back to CDE_* env vars)."""
+"""`python -m gateway --model-dir models/steerling-tiny ...` (flags fall back to CDE_* env vars).
+
+`--processes N` (N > 1) runs a supervisor and N gateway processes sharing both ports
+(gateway/processes.py); a child of that supervisor takes this entry point too."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import signal
+import sys
 from dataclasses import fields
 
-from gateway.server import GatewaySettings, serve
+from gateway import processes
+from gateway.server import GatewaySettings, check_settings, serve_until_signalled
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -22,21 +26,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def _main(args: argparse.Namespace) -> None:
-    settings = GatewaySettings.from_mapping(vars(args))
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    handle = await serve(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    waiter = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({waiter, asyncio.ensure_future(handle.wait())}, return_when=asyncio.FIRST_COMPLETED)
-    await handle.stop()
-
-
 def main(argv: list[str] | None = None) -> None:
-    asyncio.run(_main(parse_args(argv)))
+    if processes.is_child():
+        processes.child_main()
+        return
+    settings = GatewaySettings.from_mapping(vars(parse_args(argv)))
+    try:
+        check_settings(settings)
+    except ValueError as e:
+        sys.exit(f"python -m gateway: {e}")
+    fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
+    logging.basicConfig(level=settings.log_level.upper(), format=fmt)
+    if settings.processes > 1:
+        sys.exit(processes.run(settings))
+    asyncio.run(serve_until_signalled(settings))
 
 
 if __name__ == "__main__":

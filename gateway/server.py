@@ -2,6 +2,8 @@
 
 `serve(settings)` starts both and returns a `GatewayHandle` (ports, app, `stop()`), so a
 launcher or a test can run the gateway in-process; `python -m gateway` wraps it with signals.
+With `--processes N` (N > 1) `python -m gateway` is a supervisor instead (gateway/processes.py)
+and each of its N children calls `serve` with the listening socket it was handed.
 A background task polls the backends and flips the gateway's own grpc.health.v1 status, so a
 compose health check on the gateway means "the whole chain can serve".
 """
@@ -12,7 +14,9 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+import signal
+import socket
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -24,7 +28,7 @@ from cde import limits as L
 from cde.rpc import make_server, service_name
 from cde.rpc.v1 import generate_pb2, generate_pb2_grpc
 from gateway.app import build_app
-from gateway.auth import ApiKeyAuth, load_api_keys
+from gateway.auth import ApiKeyAuth, SharedBuckets, load_api_keys
 from gateway.backends import Backends
 from gateway.grpc_api import GenerationService
 from gateway.metrics import GatewayMetrics
@@ -54,6 +58,7 @@ class GatewaySettings:
     reattach_s: float = 30.0              # a broken scheduler stream is retried this long without progress
     health_interval_s: float = 2.0
     log_level: str = "info"
+    processes: int = 1                    # > 1: that many gateway processes share both ports (SO_REUSEPORT)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> GatewaySettings:
@@ -138,12 +143,26 @@ async def _monitor(pipeline: Pipeline, health: Any, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
 
 
-async def serve(settings: GatewaySettings | Any) -> GatewayHandle:
-    """Start REST + gRPC on the running loop; returns once both accept connections."""
-    s = settings if isinstance(settings, GatewaySettings) else GatewaySettings.from_mapping(vars(settings))
+MAX_PROCESSES = 64
+
+
+def check_settings(s: GatewaySettings) -> None:
     if s.max_tokens_limit < 1 or s.max_body_bytes < L.MIN_BODY_BYTES:
         raise ValueError(f"max_tokens_limit must be >= 1 and max_body_bytes >= {L.MIN_BODY_BYTES}")
-    auth = ApiKeyAuth(load_api_keys(s.api_keys_file or None, s.api_keys or None), s.rate_limit_rpm)
+    if not 1 <= s.processes <= MAX_PROCESSES:
+        raise ValueError(f"processes must be 1 .. {MAX_PROCESSES}, got {s.processes}")
+
+
+async def serve(settings: GatewaySettings | Any, *, http_socket: socket.socket | None = None,
+                share_grpc_port: bool = False, rate_buckets: SharedBuckets | None = None) -> GatewayHandle:
+    """Start REST + gRPC on the running loop; returns once both accept connections.
+
+    One process of several (gateway/processes.py): `http_socket` is its listening socket (bound
+    by the supervisor with SO_REUSEPORT), `share_grpc_port` binds the gRPC port with SO_REUSEPORT
+    too, and `rate_buckets` are the API keys' buckets all the processes share."""
+    s = settings if isinstance(settings, GatewaySettings) else GatewaySettings.from_mapping(vars(settings))
+    check_settings(s)
+    auth = ApiKeyAuth(load_api_keys(s.api_keys_file or None, s.api_keys or None), s.rate_limit_rpm, rate_buckets)
     model = ModelCard.load(s.model_dir, s.model_name or None)
     # A causal model has no concepts: no steering service to reach or wait for.
     backends = Backends.open(s.scheduler, "" if model.causal else s.steering)
@@ -153,7 +172,8 @@ async def serve(settings: GatewaySettings | Any) -> GatewayHandle:
     grpc_server, grpc_port, monitor = None, None, None
     if s.grpc_port >= 0:
         name = service_name(generate_pb2, "Generation")
-        grpc_server, health = await make_server([name], max_message_bytes=max(s.max_body_bytes, 4 << 20))
+        grpc_server, health = await make_server([name], max_message_bytes=max(s.max_body_bytes, 4 << 20),
+                                                share_port=share_grpc_port)
         generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(pipeline, auth), grpc_server)
         grpc_port = grpc_server.add_insecure_port(f"{s.host}:{s.grpc_port}")
         if grpc_port == 0:
@@ -164,7 +184,7 @@ async def serve(settings: GatewaySettings | Any) -> GatewayHandle:
     config = uvicorn.Config(app, host=s.host, port=s.http_port, lifespan="off", log_level=s.log_level,
                             timeout_graceful_shutdown=5, access_log=False)
     server = _Server(config)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[http_socket] if http_socket is not None else None))
     while not server.started:
         if task.done():  # bind failure etc.
             if grpc_server is not None:
@@ -178,3 +198,22 @@ async def serve(settings: GatewaySettings | Any) -> GatewayHandle:
     http_port = server.servers[0].sockets[0].getsockname()[1]
     log.info("gateway for %s: REST http://%s:%d, gRPC %s:%s", pipeline.model.id, s.host, http_port, s.host, grpc_port)
     return GatewayHandle(s, app, pipeline, http_port, grpc_port, server, task, grpc_server, monitor)
+
+
+async def serve_until_signalled(settings: GatewaySettings, *, on_ready: Callable[[], None] | None = None,
+                                stop_when: Awaitable[None] | None = None, **serve_kw: Any) -> None:
+    """`serve`, then run until SIGINT / SIGTERM, the server's own exit or `stop_when`; then stop."""
+    handle = await serve(settings, **serve_kw)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready()
+    waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(handle.wait())}
+    if stop_when is not None:
+        waits.add(asyncio.ensure_future(stop_when))
+    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await handle.stop()

@@ -34,14 +34,16 @@ def _limits(max_message_bytes: int) -> list[tuple[str, Any]]:
             ("grpc.max_receive_message_length", max_message_bytes)]
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, share_port: bool = False) -> list[tuple[str, Any]]:
+    """share_port: the processes of one multi-process gateway bind the same port (SO_REUSEPORT)."""
     return _limits(max_message_bytes) + [
         ("grpc.keepalive_time_ms", _SERVER_KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", _CLIENT_KEEPALIVE_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+        # a second server on the same port must fail, not share it (gRPC takes an option's first value)
+        ("grpc.so_reuseport", int(share_port)),
     ]
 
 
@@ -89,7 +91,7 @@ def _health_servicer_class():
 
 async def make_server(service_names: Sequence[str], *, max_message_bytes: int = MAX_MESSAGE_BYTES,
                       interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                      options: Sequence[tuple[str, Any]] = ()):
+                      options: Sequence[tuple[str, Any]] = (), share_port: bool = False):
     """A grpc.aio server with health (every service NOT_SERVING) and reflection registered.
 
     service_names are full names, e.g. worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name.
@@ -110,7 +112,7 @@ async def make_server(service_names: Sequence[str], *, max_message_bytes: int = 
     # outermost first: a caller without the internal token is refused before anything else
     interceptors = [*server_interceptors(), MalformedRequestInterceptor(), *interceptors]
     server = grpc.aio.server(interceptors=interceptors,
-                             options=server_options(max_message_bytes) + list(options))
+                             options=server_options(max_message_bytes, share_port) + list(options))
     health_servicer = _health_servicer_class()(service_names)
     await health_servicer.set_serving(False)
     await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
