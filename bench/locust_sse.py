@@ -8,7 +8,8 @@ Settings come from the environment: CDE_LOAD_PROMPT_TOKENS (128; random token id
 CDE_LOAD_TOKEN_BOUND, 256), CDE_LOAD_MAX_TOKENS (256), CDE_LOAD_MODEL (unset: the gateway's).
 Besides locust's own statistics ("time to first block", "inter-block latency", "completion
 (tokens)"), each finished request appends one JSON line to CDE_LOAD_EVENTS when set:
-{"start", "end", "ttfb_s", "gaps_s": [...], "blocks": [[arrival, tokens], ...], "tokens", "ok", "error"},
+{"start", "end", "ttfb_s", "gaps_s": [...], "blocks": [[arrival, tokens], ...], "tokens", "ok", "error",
+"request_id"},
 times from time.time() so that several processes' lines share one clock.
 """
 
@@ -51,7 +52,7 @@ class StreamingCompletion(HttpUser):
         start, t0 = time.time(), time.perf_counter()
         stamps: list[float] = []
         block_tokens: list[int] = []
-        tokens, error = 0, None
+        tokens, error, request_id = 0, None, None
         with self.client.post("/v1/completions", json=body, stream=True, catch_response=True,
                               name="POST /v1/completions (SSE)", timeout=600) as r:
             if r.status_code != 200:
@@ -70,6 +71,7 @@ class StreamingCompletion(HttpUser):
                         error = f"error event: {ev['error']}"
                         break
                     cde = ev.get("cde") or {}
+                    request_id = request_id or cde.get("request_id")
                     if "block_index" in cde and ev.get("object") != "cde.step":
                         stamps.append(time.perf_counter())
                         block_tokens.append(len(cde.get("tokens") or ()))
@@ -89,4 +91,4 @@ class StreamingCompletion(HttpUser):
             self.fire("completion (tokens)", (end - t0) * 1000, tokens)
         record({"start": start, "end": start + (end - t0), "ttfb_s": (stamps[0] - t0) if stamps else None,
                 "gaps_s": gaps, "blocks": [[start + (t - t0), n] for t, n in zip(stamps, block_tokens)],
-                "tokens": tokens, "ok": error is None, "error": error})
+                "tokens": tokens, "ok": error is None, "error": error, "request_id": request_id})

@@ -21,7 +21,7 @@
 #   bash bench/run_h200.sh eval-idlm       # idlm-8b ISD bench, then idlm-small's full evaluation with H200 speed
 #   bash bench/run_h200.sh kernels-micro # qkv prep (compiled vs Triton) and block attention (splits 1 vs default) at 8B dims
 #   bash bench/run_h200.sh anchor      # the public reference (bench/anchor_steerling_ref.py)
-#   bash bench/run_h200.sh services    # the whole stack under locust at C=1, 8, 32 ($DURATION s each, 40) beside the engine (wheels: bench/wheels.sh; carry .whl); $SERVICES_ARGS go to bench.services
+#   bash bench/run_h200.sh services    # the whole stack under locust at C=1, 8, 32 ($DURATION s each, 40) beside the engine (wheels: bench/wheels.sh; carry .whl); $SERVICES_ARGS go to bench.services, $TAG ends the file names
 #
 # `anchor` needs the public `steerling` 0.2.0 package: installed, or its wheel and pydantic's
 # wheels (for the host's CPython) in .whl/ (do not commit them) on a host without a package registry.
@@ -145,8 +145,9 @@ case "$stage" in
     # graphs), gateway; locust streams POST /v1/completions at C = 1, 8, 32, then the in-process engine
     # 8,192 KV pages for worker and engine alike (the load needs ~200): sized from free memory the
     # worker's pool left too little for its CUDA-graph warm-up at dd20102 (OOM at start-up)
-    python3 -m bench.services --kv-pages 8192 --duration "${DURATION:-40}" ${SERVICES_ARGS:-} --out "$OUT/services-steerling-8b-h200-$short.json" 2>&1 | grep -v Warning \
-      | tee "$OUT/services-steerling-8b-h200-$short.txt" ;;
+    python3 -m bench.services --kv-pages 8192 --duration "${DURATION:-40}" ${SERVICES_ARGS:-} \
+      --out "$OUT/services-steerling-8b-h200-$short${TAG:+-$TAG}.json" 2>&1 | grep -v Warning \
+      | tee "$OUT/services-steerling-8b-h200-$short${TAG:+-$TAG}.txt" ;;
   anchor)
     python3 bench/anchor_steerling_ref.py 2>&1 | tee "$OUT/anchor-steerling-ref-h200-$short.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -9,7 +9,7 @@
 2. Starts the whole stack with cde.launch.Stack on loopback: Redis, steering, attribution,
    scheduler, one worker (`--random-weights SEED`; on CUDA bf16, --compile, --cuda-graphs),
    gateway; warms every concurrency up through the gateway (full-length requests).
-3. For each C: locust headless (bench/locust_sse.py; one process per 8 users, at most 4), C
+3. For each C: locust headless (bench/locust_sse.py; one process per 4 users, at most 8), C
    users streaming POST /v1/completions (SSE, prompt of random token ids) in a closed loop for
    --duration s; every request's block arrival times go to a JSON-lines file. tok/s counts the
    blocks that arrive while all C users are running (from the C-th request's start to the last
@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from pathlib import Path
 import torch
 
 from bench.steerling import GpuTimer, build_model, floor_record, json_writer, run_once, run_record
+from cde import trace
 from cde.launch import ROOT, Stack
 from cde.steerling.config import SteerlingConfig, preset
 from cde.steerling.random_weights import write_benchmark_model_dir
@@ -239,12 +239,53 @@ def stack_split(run: dict, gw_before: tuple[float, float], gw_after: tuple[float
     return out
 
 
+# The hops of a request's way to its first block and back, between consecutive stamps (cde.trace):
+# the load client's start and first block, the gateway's, the scheduler's and the worker's.
+HOPS = (("client_to_gateway", "start", "gw_received"),          # HTTP, body parsing, keys, validation
+        ("gateway_prepare", "gw_received", "gw_submit"),       # tokenize, resolve options, open the call
+        ("gateway_to_scheduler", "gw_submit", "sch_submit"),    # gRPC
+        ("scheduler_forward", "sch_submit", "sch_worker_submit"),   # admission, Redis create + claim, placement
+        ("scheduler_to_worker", "sch_worker_submit", "wk_submit"),  # gRPC
+        ("worker", "wk_submit", "wk_first_block"),             # queue, prefill, decoding the block
+        ("worker_to_scheduler", "wk_first_block", "sch_first_read"),
+        ("scheduler_relay", "sch_first_read", "sch_first_published"),   # Redis append, publish
+        ("scheduler_to_gateway", "sch_first_published", "gw_first_read"),
+        ("gateway_to_client", "gw_first_read", "first_block"))  # translate, SSE write, the client's parsing
+
+
+def trace_stamps(trace_dir: Path) -> dict[str, dict]:
+    """Every service's stamps (cde.trace) by request id."""
+    stamps: dict[str, dict] = {}
+    for f in trace_dir.glob("*.jsonl"):
+        for x in f.read_text().splitlines():
+            if x.strip():
+                rec = json.loads(x)
+                stamps.setdefault(rec.pop("rid"), {}).update(rec)
+    return stamps
+
+
+def trace_hops(lines: list[dict], stamps: dict[str, dict]) -> dict | None:
+    """Mean ms of every hop over the run's requests that every service traced."""
+    joined = []
+    for r in lines:
+        s = stamps.get(r.get("request_id") or "")
+        if r["ok"] and r["blocks"] and s is not None:
+            s = dict(s, start=r["start"], first_block=r["blocks"][0][0])
+            if all(a in s and b in s for _, a, b in HOPS):
+                joined.append(s)
+    if not joined:
+        return None
+    return {"requests": len(joined),
+            "ms_mean": {name: round(1e3 * statistics.fmean(s[b] - s[a] for s in joined), 3) for name, a, b in HOPS}}
+
+
 def load_processes(concurrency: int, requested: int) -> int:
-    """Locust processes for C users: `requested`, or (0) one per 8 users up to 4. One gevent
-    process times every stream's events in turn, so at C = 32 a burst of first blocks waits in the
-    load client itself (the client-side share of the time to first block grew from 3 to 19 ms
-    between C = 1 and 32, eea1fda) unless the users are spread over processes."""
-    return requested if requested > 0 else max(1, min(4, concurrency // 8))
+    """Locust processes for C users: `requested`, or (0) one per 4 users up to 8. One gevent
+    process runs its users' sends and reads in turn, so at C = 32 a burst of requests that end
+    together waits in the load client itself (the client-side share of the time to first block grew
+    from 3 to 19 ms between C = 1 and 32 with one process, eea1fda; 9 to 12 ms with one per 8
+    users, 2287b0d / 0fffaf6) unless the users are spread over processes, as real clients are."""
+    return requested if requested > 0 else max(1, min(8, concurrency // 4))
 
 
 def run_locust(base_url: str, concurrency: int, duration: float, events: Path, env: dict, stop_timeout: float,
@@ -301,9 +342,12 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
                                                        gateway_ttfb(stack.base_url), process_cpu(stack))
             client_cpu = children_cpu() - client0
             lines = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
-            if args.out:   # the per-request lines beside the JSON, for looking into a figure later
+            stamps = trace_stamps(Path(os.environ[trace.ENV])) if args.trace else {}
+            if args.out:   # the per-request lines beside the JSON (with their stamps), for looking into a figure later
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(events, Path(args.out).with_suffix(f".c{c}.jsonl"))
+                Path(args.out).with_suffix(f".c{c}.jsonl").write_text("".join(
+                    json.dumps(dict(x, trace=stamps[x["request_id"]]) if x.get("request_id") in stamps else x) + "\n"
+                    for x in lines))
             r = {"path": "services", "concurrency": c, "prompt_tokens": args.prompt_tokens,
                  "new_tokens": args.new_tokens, "attribution": False, "steering": False, "stride": None,
                  "duration_s": args.duration, "load_processes": processes,
@@ -316,6 +360,8 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
             r.update(worker_timing(before, after, r["ttfb_mean_s"]))
             r.update(stack_split(r, gw_before, gw_after, cpu_before, cpu_after, client_cpu))
             r.update(scheduler_timing(sched_before, sched_after))
+            if args.trace:
+                r["trace_hops"] = trace_hops(lines, stamps)
             runs.append(r)
             print(f"services C={c:3d}: {r['tok_per_s']:8.1f} tok/s  ttfb {r['ttfb_s']:.3f}s  "
                   f"inter-block {r['inter_block_s'] or 0:.3f}s  tail {r['stream_tail_s'] or 0:.3f}s  requests {r['requests']}"
@@ -327,7 +373,9 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
                   f" gateway + scheduler {1e3 * (r.get('gateway_scheduler_ttfb_s') or 0):.1f}; in the scheduler:"
                   f" to the worker {r['scheduler_submit_ms_mean'] or 0:.1f} ms, first block relay"
                   f" {r['scheduler_first_block_relay_ms_mean'] or 0:.1f} ms);"
-                  f" CPU ms/request {r['cpu_ms_per_request']}", flush=True)
+                  f" CPU ms/request {r['cpu_ms_per_request']}"
+                  + (f"; hops (ms, mean of {r['trace_hops']['requests']}): {r['trace_hops']['ms_mean']}"
+                     if r.get("trace_hops") else ""), flush=True)
     finally:
         stack.stop()
     return runs
@@ -451,9 +499,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--duration", type=float, default=40.0, help="seconds of load per concurrency")
     ap.add_argument("--stop-timeout", type=float, default=120.0, help="seconds locust lets open streams finish")
     ap.add_argument("--load-processes", type=int, default=0,
-                    help="locust processes per run (0: one per 8 users, at most 4)")
+                    help="locust processes per run (0: one per 4 users, at most 8)")
     ap.add_argument("--gateway-processes", type=int, default=4,
                     help="gateway processes sharing its port (compose.yaml's GPU host runs 4)")
+    ap.add_argument("--trace", action="store_true",
+                    help="the services stamp each request's first block (cde.trace): mean ms per hop in the JSON")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0, help="random weights (worker and engine alike)")
@@ -486,6 +536,9 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         model_dir = write_benchmark_model_dir(work / f"{args.preset}-random", cfg, args.seed, tokenizer_file(cfg))
         print(f"benchmark model directory in {time.perf_counter() - t0:.0f} s", flush=True)
+        if args.trace:   # the services started below inherit it
+            (work / "trace").mkdir()
+            os.environ[trace.ENV] = str(work / "trace")
         result["runs"] += services_runs(args, cfg, model_dir, work, concs, bound)
         save()
     if not args.no_engine:

@@ -37,6 +37,7 @@ from pathlib import Path
 import grpc
 
 from cde import limits as L
+from cde import trace
 from cde.model_family import CAUSAL, STEERLING, model_family
 from cde.qwen3.chat import ChatTokenizer, load_chat_tokenizer
 from cde.qwen3.config import Qwen3Config
@@ -349,11 +350,12 @@ class Pipeline:
              client_remaining: float | None = None) -> GenerationStream:
         timeout = self._timeout(client_remaining)
         call = self.backends.scheduler.Submit(prepared.submit, timeout=timeout)
+        opened_at = time.perf_counter()
         self.metrics.prompt_tokens.labels(self.model.id).inc(prepared.prompt_tokens)
         return GenerationStream(call, BlockDetokenizer(self.model.tokenizer, prepared.submit.options.stop_ids),
                                 timer or self.metrics.request(), prepared.seed, prepared.prompt_tokens,
                                 isd=self.model.causal, request_id=prepared.submit.request_id,
-                                reattach=self._reattach(timeout, prepared.submit))
+                                reattach=self._reattach(timeout, prepared.submit), opened_at=opened_at)
 
     def resume(self, req: common_pb2.ResumeRequest, client_remaining: float | None = None) -> GenerationStream:
         if not req.request_id:
@@ -524,6 +526,7 @@ class GenerationStream:
     request_id: str = ""
     reattach: Reattach | None = None  # None: a broken scheduler stream is an error at once
     reattached: int = 0               # how many times the scheduler call was replaced
+    opened_at: float | None = None    # perf_counter when the scheduler call was opened (cde.trace)
     _accepted: bool = field(default=False)
     _last_block: int | None = field(default=None)   # last block index fed to the detokenizer
     _replayed_through: int | None = field(default=None)   # after a reattach: blocks we already had
@@ -644,6 +647,9 @@ class GenerationStream:
             if primed:
                 self._primed_tokens += len(res.tokens)
                 return None
+            if self.timer.last_block is None and trace.enabled() and self.opened_at is not None:
+                trace.record("gateway", self.request_id, gw_received=trace.wall(self.timer.t0, time.perf_counter),
+                             gw_submit=trace.wall(self.opened_at, time.perf_counter), gw_first_read=time.time())
             self.timer.block(len(res.tokens))
             return generate_pb2.GenerateResponse(block=generate_pb2.BlockEvent(
                 block_index=b.block_index, start=b.start, tokens=res.tokens, text=res.text,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import grpc
 import redis.exceptions
 
+from cde import trace
 from cde.rpc.finish import FINISH_REASON_BY_NAME, FINISH_REASON_TEXT
 from cde.rpc.v1 import common_pb2, scheduler_pb2, worker_pb2
 from scheduler_svc.attribution import AttributionPool, AttributionSession
@@ -135,6 +136,8 @@ class RequestRun:
         self.task: asyncio.Task | None = None
         self.done = False
         self.started = time.monotonic()
+        self._just_created = False
+        self._placed_at_create: Reservation | None = None   # see start()
         self.worker: WorkerHandle | None = None
         self.has_slot = False
         self.first_block = first_block(request)
@@ -188,11 +191,32 @@ class RequestRun:
             sub.queue.put_nowait(end)
 
     # ---- control ------------------------------------------------------------------------------
-    def start(self, just_created: bool = False) -> None:
+    async def place_now(self) -> Reservation | None:
+        """A slot and the best worker's pages, taken now if both are free without waiting (the
+        request can then be created running there: `RequestStore.create(worker=...)`), else None
+        and the run waits for them itself. `unplace` gives them back if the create does not happen."""
+        if self.ctx.slots.locked():
+            return None
+        worker = self.ctx.pool.pick(self.request.model, self.avoid)
+        if worker is None:
+            return None
+        await self.ctx.slots.acquire()   # not locked: takes a slot at once, no suspension (no await above)
+        self.has_slot = True
+        return self.ctx.pool.reserve(worker, self.rid, pages_needed(self.request), self.worker_lost)
+
+    def unplace(self, placed: Reservation | None) -> None:
+        if placed is not None:
+            self.ctx.pool.release(placed, placed=False)
+            self.ctx.slots.release()
+            self.has_slot = False
+
+    def start(self, just_created: bool = False, placed: Reservation | None = None) -> None:
         """just_created: this instance created the request a moment ago (it is queued unless a
         cancel came since, which the claim then refuses), so its first placement skips reading it
-        back: under a burst every Redis round trip of the way to the worker adds up."""
+        back: under a burst every Redis round trip of the way to the worker adds up. placed: it
+        was created running on this reservation's worker (`place_now`), so it streams at once."""
         self._just_created = just_created
+        self._placed_at_create = placed
         self.task = asyncio.get_running_loop().create_task(self._main(), name=f"run-{self.rid}")
 
     def cancel(self, reason: str) -> bool:
@@ -242,6 +266,9 @@ class RequestRun:
             await self._give_up(grpc.StatusCode.INTERNAL, f"scheduler error: {e!r}")
         finally:
             self.done = True
+            if self._placed_at_create is not None:   # ended before streaming from it
+                self.ctx.pool.release(self._placed_at_create, placed=False)
+                self._placed_at_create = None
             if self.has_slot:
                 self.ctx.slots.release()
                 self.has_slot = False
@@ -305,42 +332,47 @@ class RequestRun:
         pages = pages_needed(self.request)
         failures = 0
         while True:
-            if self._just_created:
-                self._just_created = False
+            if self._placed_at_create is not None:   # created running there: claimed by the create
+                reservation, self._placed_at_create = self._placed_at_create, None
+                worker, self._just_created = reservation.worker, False
+                claimed = Claimed(next_block=0, attempt=0)
             else:
-                st = await store.get(self.rid)
-                if st is None or st.terminal:
-                    await self._end_from_store(st)
-                    return
-                if st.status == RUNNING:   # an attempt nobody streams any more (e.g. before a restart)
-                    await store.requeue(self.rid)
-                    failures += 1
-                    if failures > limits.max_attempts:
-                        await self._give_up(grpc.StatusCode.UNAVAILABLE, "could not take the request over")
-                        return
-                    continue
-            wait = limits.queue_timeout_s
-            left = self._time_left()
-            worker = await pool.wait_for(self.request.model, self.avoid, wait if left is None else min(wait, left))
-            if worker is None:
-                self._time_left()
-                if self.request.model and pool.live():
-                    await self._give_up(grpc.StatusCode.NOT_FOUND, f"no worker serves model {self.request.model!r}")
+                if self._just_created:
+                    self._just_created = False
                 else:
-                    await self._give_up(grpc.StatusCode.UNAVAILABLE, f"no worker available within {wait:g}s")
-                return
-            # Reserve the pages before the next await: the other runs of a burst pick meanwhile and
-            # must see them, or they all land on the same worker.
-            reservation = pool.reserve(worker, self.rid, pages, self.worker_lost)
-            try:
-                claimed = await store.claim(self.rid, worker.worker_id)
-            except BaseException:
-                pool.release(reservation, placed=False)
-                raise
-            # not claimed: cancelled meanwhile (seen above next round) or claimed by another instance
-            if claimed is None:
-                pool.release(reservation, placed=False)
-                continue
+                    st = await store.get(self.rid)
+                    if st is None or st.terminal:
+                        await self._end_from_store(st)
+                        return
+                    if st.status == RUNNING:   # an attempt nobody streams any more (e.g. before a restart)
+                        await store.requeue(self.rid)
+                        failures += 1
+                        if failures > limits.max_attempts:
+                            await self._give_up(grpc.StatusCode.UNAVAILABLE, "could not take the request over")
+                            return
+                        continue
+                wait = limits.queue_timeout_s
+                left = self._time_left()
+                worker = await pool.wait_for(self.request.model, self.avoid, wait if left is None else min(wait, left))
+                if worker is None:
+                    self._time_left()
+                    if self.request.model and pool.live():
+                        await self._give_up(grpc.StatusCode.NOT_FOUND, f"no worker serves model {self.request.model!r}")
+                    else:
+                        await self._give_up(grpc.StatusCode.UNAVAILABLE, f"no worker available within {wait:g}s")
+                    return
+                # Reserve the pages before the next await: the other runs of a burst pick meanwhile and
+                # must see them, or they all land on the same worker.
+                reservation = pool.reserve(worker, self.rid, pages, self.worker_lost)
+                try:
+                    claimed = await store.claim(self.rid, worker.worker_id)
+                except BaseException:
+                    pool.release(reservation, placed=False)
+                    raise
+                # not claimed: cancelled meanwhile (seen above next round) or claimed by another instance
+                if claimed is None:
+                    pool.release(reservation, placed=False)
+                    continue
             outcome = await self._stream_reserved(reservation, claimed)
             if outcome is Outcome.DONE:
                 return
@@ -382,6 +414,7 @@ class RequestRun:
         if r.HasField("steering"):
             submit.steering.CopyFrom(r.steering)
         call = worker.stub.Submit(submit, timeout=self._time_left())
+        issued_at = time.monotonic()
         timing = self.ctx.timing
         if not self._placed:
             self._placed = True
@@ -404,6 +437,10 @@ class RequestRun:
                     if first and self.published_upto >= 0:
                         timing.first_blocks += 1
                         timing.first_block_relay_s += time.monotonic() - read_at
+                        if trace.enabled():
+                            trace.record("scheduler", self.rid, sch_submit=trace.wall(self.started),
+                                         sch_worker_submit=trace.wall(issued_at), sch_first_read=trace.wall(read_at),
+                                         sch_first_published=time.time())
                 elif kind == "finished":
                     return await self._finished(ev.finished, st.attempt)
             return await self._worker_failed(worker, "stream ended without Finished")

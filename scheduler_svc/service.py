@@ -295,13 +295,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             run = core.new_run(req, deadline)
             core.runs[rid] = run   # no await since the admission check: the count stays exact
             sub = run.subscribe(req.stream_steps)
+            # A slot and a worker free now: create the request running there (one Redis round trip
+            # to the worker instead of two: under a burst each one queues behind the others).
+            placed = await run.place_now()
             try:
-                created = await core.store.create(rid, encode_spec(req, deadline), len(req.prompt_tokens))
+                created = await core.store.create(rid, encode_spec(req, deadline), len(req.prompt_tokens),
+                                                  worker=placed.worker.worker_id if placed is not None else None)
             except BaseException:
                 core.runs.pop(rid, None)
+                run.unplace(placed)
                 raise
             if created:
-                run.start(just_created=True)
+                run.start(just_created=True, placed=placed)
                 try:
                     yield accepted(req)
                     async for ev in self._follow(sub, -1, context):
@@ -309,6 +314,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 finally:
                     run.unsubscribe(sub)
                 return
+            run.unplace(placed)
             if core.runs.get(rid) is run:   # raced with another Submit of the same id
                 del core.runs[rid]
         async for ev in self._attach(rid, None, request.stream_steps, context):

@@ -91,16 +91,24 @@ local function now()
 end
 """
 
-# KEYS: req, blocks, queue, counts   ARGV: id, spec, prompt_tokens
+# KEYS: req, blocks, queue, counts, running:{worker}   ARGV: id, spec, prompt_tokens, worker
+# worker '': absent -> queued; else absent -> running on that worker (create and claim at once:
+# the state a create then a claim leave, without the queue entry in between)
 _CREATE = _NOW + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local t = now()
 redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '', 'prompt_tokens', ARGV[3],
+local status = 'queued'
+if ARGV[4] ~= '' then status = 'running' end
+redis.call('HSET', KEYS[1], 'status', status, 'worker', ARGV[4], 'prompt_tokens', ARGV[3],
   'committed_tokens', '0', 'next_block', '0', 'created_at', t, 'updated_at', t,
   'finish_reason', '', 'error', '', 'spec', ARGV[2], 'attempt', '0')
-redis.call('ZADD', KEYS[3], t, ARGV[1])
-redis.call('HINCRBY', KEYS[4], 'queued', 1)
+if ARGV[4] == '' then
+  redis.call('ZADD', KEYS[3], t, ARGV[1])
+else
+  redis.call('SADD', KEYS[5], ARGV[1])
+end
+redis.call('HINCRBY', KEYS[4], status, 1)
 return 1
 """
 
@@ -311,9 +319,13 @@ class RequestStore:
         return f"{self.prefix}end:{request_id}"
 
     # ----------------------------------------------------------- transitions
-    async def create(self, request_id: str, spec: str, prompt_tokens: int) -> bool:
-        """absent -> queued. False (and nothing changes) when the id already exists."""
+    async def create(self, request_id: str, spec: str, prompt_tokens: int, worker: str | None = None) -> bool:
+        """absent -> queued; with ``worker``, absent -> running there (as `claim` would leave it,
+        next block 0, attempt 0: one round trip instead of two when a worker is free at once).
+        False (and nothing changes) when the id already exists."""
         _check_id("request id", request_id)
+        if worker is not None:
+            _check_id("worker id", worker)
         _check_nonneg("prompt_tokens", prompt_tokens)
         if isinstance(spec, (bytes, bytearray)):
             spec = bytes(spec).decode("utf-8")
@@ -321,8 +333,8 @@ class RequestStore:
             raise TypeError(f"spec must be a str (JSON text), got {type(spec).__name__}")
         r = await self._create(
             keys=[self.req_key(request_id), self.blocks_key(request_id), self.queue_key,
-                  self.counts_key],
-            args=[request_id, spec, prompt_tokens])
+                  self.counts_key, self.running_key(worker or "")],
+            args=[request_id, spec, prompt_tokens, worker or ""])
         return bool(r)
 
     async def claim(self, request_id: str, worker: str) -> Claimed | None:

@@ -102,6 +102,28 @@ def test_claim_returns_where_the_attempt_resumes(redis_client):
     run(body, redis_client)
 
 
+def test_create_on_a_worker_equals_create_then_claim(redis_client):
+    """create(worker=...) leaves what create + claim leave (the request hash, the queue, the
+    running set and the counts), in one script; an existing id is refused the same way."""
+    async def body(r):
+        s = RequestStore(r)
+        assert await s.create("two", SPEC, 3) and await s.claim("two", "w0") == Claimed(0, 0)
+        assert await s.create("one", SPEC, 3, worker="w0")
+        a, b = await s.get("two"), await s.get("one")
+        same = ("status", "worker", "next_block", "attempt", "committed_tokens", "prompt_tokens", "spec")
+        assert [getattr(a, f) for f in same] == [getattr(b, f) for f in same]
+        assert await r.zscore(s.queue_key, "one") is None and await r.zscore(s.queue_key, "two") is None
+        assert await r.smembers(s.running_key("w0")) == {b"one", b"two"}
+        assert (await r.hgetall(s.counts_key))[b"running"] == b"2"
+        assert int((await r.hgetall(s.counts_key)).get(b"queued", b"0")) == 0
+        assert await s.claim("one", "w1") is None                      # running already
+        assert not await s.create("one", SPEC, 3, worker="w1")          # exists: nothing changes
+        assert (await s.get("one")).worker == "w0"
+        assert await s.append_block("one", 0, payload(0), 64, attempt=0) == "stored"
+        assert await s.finish("one", "eos", attempt=0)
+    run(body, redis_client)
+
+
 def test_terminal_transitions_save_the_ending_with_them(redis_client):
     """finish / fail / cancel store the ending in the same script when they succeed, never when
     refused, and the first ending wins (as save_ending's NX)."""

@@ -26,6 +26,7 @@ import grpc
 import torch
 
 from cde import limits as L
+from cde import trace
 from cde.model_family import CAUSAL, model_family
 from cde.rpc import make_server, service_name
 from cde.rpc.leader_channel import scheduler_channel
@@ -94,6 +95,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         if received is not None and out.WhichOneof("event") == "block":
                             self.first_blocks += 1
                             self.first_block_s_sum += time.perf_counter() - received
+                            if trace.enabled():
+                                trace.record("worker", job.request_id, wk_submit=trace.wall(received, time.perf_counter),
+                                             wk_first_block=time.time())
                             received = None
                         yield out
                     if isinstance(ev, FinishEvent):
