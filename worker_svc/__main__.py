@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 
 from cde import limits
 from cde.rpc.serving import run_main
@@ -57,9 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "terminationGracePeriodSeconds")
     ap.add_argument("--grace", type=float, default=5.0,
                     help="after the drain: seconds the calls still open get before they are cut off")
-    ap.add_argument("--gil-switch-ms", type=float, default=float(env("CDE_GIL_SWITCH_MS", 5.0)),
-                    help="sys.setswitchinterval in ms (CPython's 5 by default): how long the step thread may hold "
-                         "the GIL while the gRPC loop waits for it")
     ap.add_argument("--random-weights", type=int, default=None, metavar="SEED",
                     help="BENCHMARK ONLY: random weights from SEED instead of a checkpoint; the model directory "
                          "must be a benchmark one (config + concept tables, cde.steerling.random_weights) and a "
@@ -73,11 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.gil_switch_ms <= 0:
-        raise SystemExit("--gil-switch-ms must be > 0")
-    sys.setswitchinterval(args.gil_switch_ms / 1000.0)
-    run_main(serve, args)
+    run_main(serve, parse_args(argv))
 
 
 if __name__ == "__main__":
