@@ -8,7 +8,8 @@
    tokenizer file) in a temporary directory (cde.steerling.random_weights).
 2. Starts the whole stack with cde.launch.Stack on loopback: Redis, steering, attribution,
    scheduler, one worker (`--random-weights SEED`; on CUDA bf16, --compile, --cuda-graphs),
-   gateway; warms every concurrency up through the gateway (full-length requests).
+   gateway (--gateway-processes, 4); warms every concurrency up through the gateway (full-length
+   requests). --trace: the services stamp each request (cde.trace), the JSON gets the hops.
 3. For each C: locust headless (bench/locust_sse.py; one process per 4 users, at most 8), C
    users streaming POST /v1/completions (SSE, prompt of random token ids) in a closed loop for
    --duration s; every request's block arrival times go to a JSON-lines file. tok/s counts the

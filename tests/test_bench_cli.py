@@ -106,7 +106,7 @@ def test_services_bench_runs_the_stack_and_the_engine(tmp_path):
     path at each C."""
     # 6 s a run: a closed-loop user must finish more than one 128-token request on a loaded 2-core box
     d = _run("bench.services", tmp_path / "svc.json", "--concurrency", "1,2", "--duration", "6", "--new-tokens", "128",
-             "--engine-repeats", "1", "--stop-timeout", "60")
+             "--engine-repeats", "1", "--stop-timeout", "60", "--gateway-processes", "2", "--trace")
     assert {"commit", "gpu", "preset", "command", "runs", "ratios", "aims"} <= set(d)
     got = sorted((r["path"], r["concurrency"]) for r in d["runs"])
     assert got == [("engine", 1), ("engine", 2), ("engine-closed-loop", 1), ("engine-closed-loop", 2),
@@ -135,6 +135,15 @@ def test_services_bench_runs_the_stack_and_the_engine(tmp_path):
         cpu = r["cpu_ms_per_request"]
         assert {"gateway", "scheduler", "worker0", "redis", "steering", "attribution", "load_client"} <= set(cpu), cpu
         assert cpu["worker0"] > 0 and cpu["gateway"] > 0 and cpu["load_client"] > 0, cpu
+        assert r["gateway_processes"] == 2
+        # --trace: every request's hops, from the load client's start to its first block, telescope
+        # into its time to first block
+        hops = r["trace_hops"]
+        assert hops["requests"] == r["requests"], hops
+        assert all(v > 0 for v in hops["ms_mean"].values()), hops
+        assert sum(hops["ms_mean"].values()) == pytest.approx(1e3 * r["ttfb_mean_s"], abs=0.05), (hops, r)
+        lines = [json.loads(x) for x in (tmp_path / f"svc.c{r['concurrency']}.jsonl").read_text().splitlines()]
+        assert all("wk_first_block" in x["trace"] for x in lines if x["ok"]), lines[:2]
 
 
 def test_random_weights_take_the_concept_tables_and_refuse_a_trained_model(tmp_path):
