@@ -47,7 +47,7 @@ import torch
 
 from bench.steerling import GpuTimer, build_model, floor_record, json_writer, run_once, run_record
 from cde import trace
-from cde.launch import ROOT, Stack
+from cde.launch import ROOT, Stack, child_pids
 from cde.steerling.config import SteerlingConfig, preset
 from cde.steerling.random_weights import write_benchmark_model_dir
 from cde.steerling.tokenizer import BPE_ENV_VAR
@@ -187,20 +187,6 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def child_pids(pid: int) -> list[int]:
-    """The live children of a process (a multi-process gateway's supervisor: its gateways)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):   # gone meanwhile
-                continue
-    return out
 
 
 def process_cpu(stack: Stack) -> dict[str, float]:

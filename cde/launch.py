@@ -45,6 +45,20 @@ DEFAULT_HTTP_PORT = 8000    # the gateway's ports when free (compose publishes t
 DEFAULT_GRPC_PORT = 50050
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live children of a process (Linux /proc): a multi-process gateway's processes."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):   # gone meanwhile
+                continue
+    return out
+
+
 @dataclass
 class Service:
     name: str

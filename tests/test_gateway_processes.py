@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from cde.launch import ROOT
+from cde.launch import ROOT, child_pids
 from cde.redis_util import free_port
 from cde.rpc.v1 import generate_pb2_grpc, scheduler_pb2
 from gateway.auth import ApiKeyAuth, SharedBuckets
@@ -32,18 +32,8 @@ from tests.stack_fixture import (FINISHED_OK, GrpcStream, chat_body, grpc_reques
 PROCESSES = 2
 
 
-def gateway_children(supervisor_pid: int) -> list[int]:
-    """The supervisor's live gateway processes (Linux /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == supervisor_pid:
-                        out.append(int(entry))
-            except (OSError, ValueError):
-                continue
-    return sorted(out)
+def sorted_children(supervisor_pid: int) -> list[int]:
+    return sorted(child_pids(supervisor_pid))
 
 
 def sample(text: str, name: str) -> float:
@@ -150,7 +140,7 @@ def test_rate_limit_is_shared_by_the_processes() -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _answers(url), 60, what="gateway processes serving")
-        assert len(gateway_children(proc.pid)) == 3
+        assert len(sorted_children(proc.pid)) == 3
         codes = [models_status(url, "k1") for _ in range(9)]
         # 4 a minute per key, whichever process a connection lands on (a refill takes 15 s)
         assert codes.count(200) == 4 and codes.count(429) == 5, codes
@@ -194,7 +184,7 @@ def stack(tmp_path_factory):
 @pytest.mark.e2e
 def test_processes_share_both_ports_and_report_together(stack) -> None:
     url = stack.base_url
-    children = gateway_children(service(stack, "gateway").proc.pid)
+    children = sorted_children(service(stack, "gateway").proc.pid)
     assert len(children) == PROCESSES, children
     before = scrape(url)
     results = asyncio.run(stream_many(url, [chat_body(100 + i, 24) for i in range(8)]))
@@ -222,11 +212,11 @@ def test_processes_share_both_ports_and_report_together(stack) -> None:
 def test_a_killed_process_is_restarted_and_its_counts_kept(stack, report) -> None:
     url = stack.base_url
     supervisor = service(stack, "gateway").proc.pid
-    victim = gateway_children(supervisor)[0]
+    victim = sorted_children(supervisor)[0]
     before = sample(scrape(url), "cde:request_success_total")
     os.kill(victim, signal.SIGKILL)
     t_kill = time.monotonic()
-    wait_until(lambda: len(c := gateway_children(supervisor)) == PROCESSES and victim not in c, 30,
+    wait_until(lambda: len(c := sorted_children(supervisor)) == PROCESSES and victim not in c, 30,
                what="the supervisor restarting the killed gateway process")
     # The restarted process takes its listening socket back, and what was sent to that socket
     # meanwhile waited in its backlog: new requests all succeed, none refused.
