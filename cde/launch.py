@@ -35,6 +35,7 @@ from pathlib import Path
 
 from cde.model_family import CAUSAL, model_family
 from cde.redis_util import EmbeddedRedis, free_port
+from cde.supervision import CRASH_LOOP_WINDOW_S, recent_restarts, restart_delay
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = ROOT / "models" / "steerling-tiny"
@@ -70,13 +71,6 @@ class Service:
     env: dict[str, str] = field(default_factory=dict)
     restarts: list[float] = field(default_factory=list)   # time.monotonic() of each supervised restart
     restart_at: float | None = None                        # when the pending restart is due
-
-
-# Supervision (Stack.supervise): backoff before restarting a dead service, and what counts as a
-# crash loop (that many restarts of one service within the window stop the stack).
-RESTART_BACKOFF_S = (1.0, 30.0)
-CRASH_LOOP_RESTARTS = 5
-CRASH_LOOP_WINDOW_S = 60.0
 
 
 def grpc_serving(port: int, timeout: float = 1.0) -> bool:
@@ -196,17 +190,16 @@ class Stack:
         for svc in self.services:
             if svc.proc is None or svc.proc.poll() is None:
                 continue
-            recent = [t for t in svc.restarts if now - t < CRASH_LOOP_WINDOW_S]
+            recent = recent_restarts(svc.restarts, now)
             if svc.restart_at is None:
-                if len(recent) >= CRASH_LOOP_RESTARTS:
-                    raise RuntimeError(f"{svc.name} crash-loops ({len(recent)} restarts within "
+                delay = restart_delay(recent)
+                if delay is None:
+                    raise RuntimeError(f"{svc.name} crash-loops ({recent} restarts within "
                                        f"{CRASH_LOOP_WINDOW_S:.0f} s; exit code {svc.proc.returncode}):\n"
                                        f"{self.log_tail(svc)}")
-                first, most = RESTART_BACKOFF_S
-                delay = min(first * 2 ** len(recent), most)
                 svc.restart_at = now + delay
                 print(f"{svc.name:<10} exited with {svc.proc.returncode}; restarting in {delay:.0f} s "
-                      f"(restart {len(recent) + 1} within {CRASH_LOOP_WINDOW_S:.0f} s)", flush=True)
+                      f"(restart {recent + 1} within {CRASH_LOOP_WINDOW_S:.0f} s)", flush=True)
             elif now >= svc.restart_at:
                 svc.restart_at = None
                 svc.restarts.append(now)

@@ -36,11 +36,11 @@ MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"   # prometheus_client reads it whe
 def observe_many(histogram, value: float, n: int) -> None:
     """`n` observations of one value on a histogram child, at the cost of one: the inter-token
     histogram gets a block's 64 equal observations at once (64 observe() calls were ~70 us of a
-    block's handling). Uses the pinned prometheus_client's bucket counters; tests compare the
-    result with n observe() calls, so an upgrade that moves them fails there, not in production."""
-    bounds, buckets, total = (getattr(histogram, a, None) for a in ("_upper_bounds", "_buckets", "_sum"))
+    block's handling). Uses the pinned prometheus_client's bucket counters (n observe() calls
+    where they are missing); tests compare the result with n observe() calls."""
     if n <= 0:
         return
+    bounds, buckets, total = (getattr(histogram, a, None) for a in ("_upper_bounds", "_buckets", "_sum"))
     if bounds is None or buckets is None or total is None:
         for _ in range(n):
             histogram.observe(value)
@@ -100,6 +100,8 @@ class SchedulerStatsCollector:
 class GatewayMetrics:
     def __init__(self, model: str) -> None:
         self.model = model
+        # set for the processes of a multi-process gateway (gateway/processes.py), before import
+        self._multiprocess_dir = os.environ.get(MULTIPROCESS_ENV)
         r = self.registry = CollectorRegistry(auto_describe=True)
         lbl = ["model_name"]
         self.scheduler_stats = SchedulerStatsCollector(model)
@@ -140,12 +142,11 @@ class GatewayMetrics:
             self.scheduler_stats.stats = stats
 
     def render(self) -> bytes:
-        directory = os.environ.get(MULTIPROCESS_ENV)
-        if not directory:
+        if not self._multiprocess_dir:
             return generate_latest(self.registry)
         # several processes: every process's latencies and counters, summed from their files
         scrape = CollectorRegistry(auto_describe=False)
-        MultiProcessCollector(scrape, path=directory)
+        MultiProcessCollector(scrape, path=self._multiprocess_dir)
         scrape.register(self.scheduler_stats)
         return generate_latest(scrape)
 

@@ -19,9 +19,9 @@ The supervisor (`run`):
 - writes the API keys' rate-limit buckets to a file the children share (auth.SharedBuckets);
 - starts the children (`python -m gateway`, the settings in CDE_* environment variables, never
   on a command line that other users can read), waits until each serves, restarts a child that
-  dies (after 1 s, doubling per recent restart up to 30 s; it gives up when one crash-loops: 5
-  restarts within 60 s), and on SIGTERM / SIGINT stops them all, each draining like a single
-  gateway. A child whose supervisor is gone stops by itself.
+  dies (cde.supervision: the launcher's backoff; it gives up when one crash-loops), and on
+  SIGTERM / SIGINT stops them all, each draining like a single gateway. A child whose supervisor
+  is gone stops by itself.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cde.supervision import CRASH_LOOP_WINDOW_S, recent_restarts, restart_delay
 from gateway.auth import SharedBuckets, load_api_keys
 from gateway.metrics import MULTIPROCESS_ENV
 from gateway.server import GatewaySettings, check_settings, serve_until_signalled
@@ -55,8 +56,6 @@ CHILD_BUCKETS_ENV = "CDE_GATEWAY_RATE_BUCKETS"  # the shared rate-limit buckets'
 
 START_TIMEOUT_S = 180.0    # every child serving (loading the tokenizer, binding) within this
 STOP_GRACE_S = 15.0        # after SIGTERM: uvicorn drains up to 5 s, gRPC 2 s
-BACKOFF_S, BACKOFF_MAX_S = 1.0, 30.0
-CRASH_LOOP = (5, 60.0)     # this many restarts of one child within this many seconds: give up
 BACKLOG = 2048             # uvicorn's default
 
 
@@ -211,12 +210,12 @@ class Supervisor:
                 proc = child.proc
                 if proc is not None and proc.poll() is not None:
                     self._mark_dead(proc.pid)
-                    child.restarts = [t for t in child.restarts if now - t < CRASH_LOOP[1]]
-                    if len(child.restarts) >= CRASH_LOOP[0]:
+                    recent = recent_restarts(child.restarts, now)
+                    delay = restart_delay(recent)
+                    if delay is None:
                         log.error("gateway process %d keeps dying (%d restarts in %.0f s); stopping", child.index,
-                                  len(child.restarts), CRASH_LOOP[1])
+                                  recent, CRASH_LOOP_WINDOW_S)
                         return 1
-                    delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** len(child.restarts))
                     log.warning("gateway process %d (pid %d) exited with %d; restarting in %.0f s", child.index,
                                 proc.pid, proc.returncode, delay)
                     child.proc, child.restart_at = None, now + delay

@@ -419,7 +419,7 @@ class RequestRun:
         if not self._placed:
             self._placed = True
             timing.placed += 1
-            timing.submit_to_worker_s += time.monotonic() - self.started
+            timing.submit_to_worker_s += issued_at - self.started
         self._call, self._lost_worker = call, None
         try:
             while True:

@@ -14,7 +14,8 @@ State machine (every arrow is ONE Lua script, a compare-and-set on ``status``)::
                   │ cancel(id)          └───────────────────> cancelled
                   └─────────────────────────────────────────> cancelled
 
-* ``create``      absent   -> queued  (False if the id exists: idempotent submit)
+* ``create``      absent   -> queued  (False if the id exists: idempotent submit); with a
+                  worker, absent -> running there, as create + claim leave it, in one script
 * ``claim``       queued   -> running (sets worker, SADD running:{w}, ZREM queue; returns the
                                        ``next_block`` and ``attempt`` streaming needs)
 * ``requeue``     running  -> queued  (worker lost: attempt += 1, worker cleared, back in the
