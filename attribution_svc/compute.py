@@ -202,8 +202,9 @@ def _other_message(other: OtherConcepts) -> common_pb2.OtherConcepts:
 
 def token_messages(records: RawRecords, attr: TokenAttribution, n_known: int, top_k: int,
                    catalog: ConceptCatalog) -> list[common_pb2.TokenAttribution]:
-    """One TokenAttribution per committed token: its top_k concepts of both heads by |contribution|,
-    and the rest of its record summed per head (`other`), so the terms add up to the logit."""
+    """One TokenAttribution per committed token, in position order (records come in commit order,
+    kept as `commit_order`): its top_k concepts of both heads by |contribution|, and the rest of
+    its record summed per head (`other`), so the terms add up to the logit."""
     terms = token_top_terms(attr, top_k, n_known)
     kk = terms.k_known
     order, top_ids, top_scores = terms.columns.tolist(), terms.concept_ids.tolist(), terms.scores.tolist()
@@ -215,7 +216,9 @@ def token_messages(records: RawRecords, attr: TokenAttribution, n_known: int, to
                                        head="known" if col < kk else "discovered", score=s)
                for col, cid, s in zip(order[i], top_ids[i], top_scores[i])]
         out.append(common_pb2.TokenAttribution(position=pos, token=tok, target_logit=target, residual=resid, top=top,
-                                               other=common_pb2.OtherConcepts(known=ok, discovered=od)))
+                                               other=common_pb2.OtherConcepts(known=ok, discovered=od),
+                                               commit_order=i))
+    out.sort(key=lambda t: t.position)
     return out
 
 

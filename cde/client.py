@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.parse
@@ -148,7 +149,17 @@ def main() -> None:
     c.add_argument("query")
     c.add_argument("--limit", type=int, default=10)
     args = ap.parse_args()
-    sys.exit(generate(args) if args.cmd == "generate" else concepts(args))
+    try:
+        code = generate(args) if args.cmd == "generate" else concepts(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (`... | head`): stop quietly, as the Python docs recommend
+        # (signal module, "Note on SIGPIPE"): point stdout at devnull so the interpreter's final
+        # flush does not raise again, and exit with the status a SIGPIPE'd program has
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(141)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

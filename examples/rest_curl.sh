@@ -4,7 +4,7 @@
 #   bash examples/rest_curl.sh            # CDE_BASE_URL, default http://127.0.0.1:8000 (the launcher's)
 set -euo pipefail
 base="${CDE_BASE_URL:-http://127.0.0.1:8000}"
-curl -sSfN "$base/v1/chat/completions" -H 'Content-Type: application/json' -d '{
+curl -sSN --fail-with-body "$base/v1/chat/completions" -H 'Content-Type: application/json' -d '{
   "model": "steerling-small", "stream": true, "stream_options": {"include_usage": true},
   "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 96, "seed": 7,
   "steering": {"concepts": [{"name": "sea", "strength": 1.0}], "mode": "amplify"},

@@ -216,6 +216,8 @@ async def _on_validation_error(request: Request, e: Exception) -> JSONResponse:
     status, err = _validation_status(list(e.errors()))
     _pipeline(request).metrics.failed(status)
     param = _param(tuple(err.get("loc", ())))
+    if tuple(err.get("loc", ())) == ("body",) and err["type"] == "missing":
+        return _json_error(400, "the request body is empty: this endpoint takes a JSON object", "body", "missing_body")
     if err["type"] == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
         return _json_error(status, f"request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json")

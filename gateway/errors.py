@@ -8,6 +8,7 @@ HTTP status the way DESIGN.md's Contracts section says (400/404/429/503).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 
 # The scheduler puts its retry hint for RESOURCE_EXHAUSTED in this (trailing) metadata key.
 RETRY_AFTER_MD = "retry-after-ms"
+PARAM_MD = "cde-param"            # the offending request field, as the gRPC request spells it
 DEFAULT_RETRY_AFTER_MS = 1000
 
 
@@ -79,9 +81,42 @@ class GatewayError(Exception):
         return {"Retry-After": str(retry_after_seconds(self.retry_after_ms))}
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        if self.retry_after_ms is None:
-            return ()
-        return ((RETRY_AFTER_MD, str(self.retry_after_ms)),)
+        """For gRPC clients: the retry hint and the offending field's gRPC path (`cde-param`)."""
+        md: tuple[tuple[str, str], ...] = ()
+        if self.retry_after_ms is not None:
+            md += ((RETRY_AFTER_MD, str(self.retry_after_ms)),)
+        if self.param:
+            md += ((PARAM_MD, utf8_safe(grpc_field(self.param))[:256]),)
+        return md
+
+
+# The pipeline names fields as the REST API spells them; the public gRPC API's messages spell
+# some differently (cde.v1.GenerateRequest). Paths not listed are the same in both.
+_GRPC_FIELDS = {
+    "messages": "chat", "max_tokens": "decode.max_new_tokens", "tokens_per_step": "decode.tokens_per_step",
+    "decode.stride": "decode.isd_stride", "decode.threshold": "decode.confidence_threshold",
+    "stop_token_ids": "decode.stop_ids", "seed": "decode.seed",
+    "use_entropy_sampling": "sampling.use_entropy_sampling", "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p", "repetition_penalty": "sampling.repetition_penalty",
+    "steering.cutoff": "steering.cutoff_tokens",
+}
+_CONCEPT_ID = re.compile(r"^(steering\.concepts\[\d+\])\.id$")
+
+
+def grpc_field(param: str) -> str:
+    """The gRPC request's path for a REST field path (`max_tokens` -> `decode.max_new_tokens`)."""
+    m = _CONCEPT_ID.match(param)
+    if m:
+        return f"{m.group(1)}.concept_id"
+    return _GRPC_FIELDS.get(param, param)
+
+
+def grpc_message(message: str, param: str | None) -> str:
+    """The error message as a gRPC client reads it: the REST field's name, where the message
+    says it, replaced by the gRPC path."""
+    if not param or grpc_field(param) == param:
+        return message
+    return re.sub(rf"(?<![\w.\[]){re.escape(param)}(?![\w\[])", grpc_field(param), message, count=1)
 
 
 def retry_after_seconds(ms: int) -> int:

@@ -48,7 +48,7 @@ from cde.steerling.config import SteerlingConfig
 from cde.steerling.tokenizer import Tokenizer, load_model_tokenizer
 from gateway.backends import Backends
 from gateway.detok import BlockDetokenizer
-from gateway.errors import GatewayError, from_rpc_error, invalid
+from gateway.errors import PARAM_MD, GatewayError, from_rpc_error, invalid
 from gateway.metrics import GatewayMetrics, RequestTimer
 
 log = logging.getLogger("gateway.pipeline")
@@ -297,14 +297,16 @@ class Pipeline:
                 timeout=self.limits.backend_timeout_s)
         except grpc.aio.AioRpcError as e:
             err = from_rpc_error(e, "steering service")
+            # the steering service names the offending field (steering.concepts[0].id) in a trailer
+            field = next((v for k, v in (e.trailing_metadata() or ()) if k == PARAM_MD), None)
             if err.code == grpc.StatusCode.NOT_FOUND:
                 refs = [c.name if c.WhichOneof("ref") == "name" else f"#{c.concept_id}" for c in s.concepts]
                 detail = e.details() or ""
                 named = any(r.lower() in detail.lower() for r in refs)
                 err.message = f"unknown steering concept: {detail}" + ("" if named else f" (requested: {', '.join(refs)})")
-                err.param, err.err_code = "steering.concepts", "concept_not_found"
+                err.param, err.err_code = field or "steering.concepts", "concept_not_found"
             elif err.code == grpc.StatusCode.INVALID_ARGUMENT:
-                err.param = "steering"
+                err.param = field or "steering"
             raise err from None
 
     def check_causal(self, req: generate_pb2.GenerateRequest) -> None:

@@ -64,7 +64,9 @@ class SteeringConceptIn(_Ext):
     name: Annotated[str, Field(min_length=1, max_length=CONCEPT_NAME_MAX,
                                description=f"concept name, at most {CONCEPT_NAME_MAX} characters")] | None = None
     strength: Annotated[float, Field(gt=0.0, le=STRENGTH_MAX, allow_inf_nan=False,
-                                     description=f"weight in the steering direction, (0, {STRENGTH_MAX:g}]")] = \
+                                     description=(f"(0, {STRENGTH_MAX:g}]: scales the injected magnitude (0.5 half, 2 double); "
+                                                  "with several concepts the largest sets the magnitude and the "
+                                                  "others weight the direction relative to it"))] = \
         DEFAULT_STRENGTH
 
     @model_validator(mode="after")

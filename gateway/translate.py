@@ -133,7 +133,7 @@ def other_json(o: common_pb2.OtherConcepts) -> dict[str, float]:
 
 
 def token_attr_json(tok: Tokenizer, ta: common_pb2.TokenAttribution) -> dict[str, Any]:
-    return {"position": ta.position, "token": ta.token, "text": token_text(tok, ta.token),
+    return {"position": ta.position, "commit_order": ta.commit_order, "token": ta.token, "text": token_text(tok, ta.token),
             "target_logit": _f32(ta.target_logit), "residual": _f32(ta.residual), "top": scores_json(ta.top),
             "other": other_json(ta.other)}
 

@@ -10,6 +10,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=".venv/.installed-$(basename "$req")-$(cat requirements*.txt | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
+  # pip is quiet (-q): say what it is doing, since the first run takes a minute or two
+  count="$(cat "$req" $(sed -n 's/^-r[[:space:]]*//p' "$req") | grep -cvE '^[[:space:]]*(#|-r|$)')"
+  echo "installing $count packages from $req into .venv (first run or changed requirements, ~1-2 min)..." >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
   .venv/bin/python -m pip install -q --disable-pip-version-check -r "$req"
   if [ "$req" = "requirements-test.txt" ]; then
@@ -18,4 +21,5 @@ if [ ! -f "$stamp" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --ignore-requires-python steerling==0.2.0
   fi
   touch "$stamp"
+  echo "installed $req into .venv" >&2
 fi

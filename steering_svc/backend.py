@@ -45,16 +45,22 @@ _SCHEDULE_OVERRIDES = {common_pb2.STEERING_SCHEDULE_FIXED: "fixed",
 
 
 class RequestError(Exception):
-    """A request the service refuses, with the gRPC status code that says why."""
+    """A request the service refuses, with the gRPC status code that says why and, where one
+    field is at fault, its path in the public request (`steering.concepts[0].id`), which the
+    servicer sends as the `cde-param` trailer."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.field = field
 
 
-def _invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+PARAM_TRAILER = "cde-param"
+
+
+def _invalid(message: str, field: str | None = None) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, field)
 
 
 def _not_found(message: str) -> RequestError:
@@ -184,49 +190,62 @@ class SteeringBackend:
     def resolve(self, steering: common_pb2.SteeringRequest) -> tuple[list[int], list[float]]:
         """Known-concept ids and their direction weights, in request order; raises RequestError."""
         if not steering.concepts:
-            raise _invalid("steering needs at least one concept")
+            raise _invalid("steering needs at least one concept", "steering.concepts")
         if len(steering.concepts) > L.MAX_CONCEPTS:
-            raise _invalid(f"{len(steering.concepts)} concepts; at most {L.MAX_CONCEPTS}")
+            raise _invalid(f"{len(steering.concepts)} concepts; at most {L.MAX_CONCEPTS}", "steering.concepts")
         ids: list[int] = []
         weights: list[float] = []
         for i, sc in enumerate(steering.concepts):
-            c = self._lookup(sc.WhichOneof("ref"), sc.concept_id, sc.name)
-            asked = repr(sc.name) if sc.WhichOneof("ref") == "name" else f"id {sc.concept_id}"
+            ref = sc.WhichOneof("ref")
+            field = f"steering.concepts[{i}].{'name' if ref == 'name' else 'id'}"
+            try:
+                c = self._lookup(ref, sc.concept_id, sc.name)
+            except RequestError as e:
+                e.field = e.field or field
+                raise
+            asked = repr(sc.name) if ref == "name" else f"id {sc.concept_id}"
             if c.head != "known":
-                raise _invalid(f"concept {asked} is a discovered concept; only known concepts can steer")
+                raise _invalid(f"concept {asked} is a discovered concept; only known concepts can steer", field)
             if not c.steerable:
-                raise _invalid(f"concept {asked} ({c.name}) is not steerable")
+                raise _invalid(f"concept {asked} ({c.name}) is not steerable", field)
             if c.concept_id in ids:
-                raise _invalid(f"concept {asked} ({c.name}) is given twice")
+                raise _invalid(f"concept {asked} ({c.name}) is given twice", field)
             # 0 is the proto default: unset, i.e. the default strength
             if not math.isfinite(sc.strength) or not 0.0 <= sc.strength <= L.STRENGTH_MAX:
-                raise _invalid(f"concept {asked}: strength {sc.strength} is outside (0, {L.STRENGTH_MAX:g}]")
+                raise _invalid(f"concept {asked}: strength {sc.strength} is outside (0, {L.STRENGTH_MAX:g}]",
+                               f"steering.concepts[{i}].strength")
             ids.append(c.concept_id)
             weights.append(sc.strength or L.DEFAULT_STRENGTH)
         return ids, weights
 
     def spec(self, steering: common_pb2.SteeringRequest) -> tuple[SteeringSpec, list[float]]:
-        """The SteeringSpec a request means, with one direction weight per spec concept."""
-        ids, weights = self.resolve(steering)
+        """The SteeringSpec a request means, with one relative direction weight per spec concept.
+
+        The largest strength becomes the spec's `strength` (the magnitude: alpha times it), the
+        strengths over it weight the direction (cde.steerling.steering's module docstring)."""
+        ids, strengths = self.resolve(steering)
+        scale = max(strengths)
+        weights = [w / scale for w in strengths]
         target = None
         if steering.HasField("target"):
             target = steering.target
             if not math.isfinite(target) or abs(target) > L.TARGET_ABS_MAX:
-                raise _invalid(f"target {target} is outside [-{L.TARGET_ABS_MAX:g}, {L.TARGET_ABS_MAX:g}]")
+                raise _invalid(f"target {target} is outside [-{L.TARGET_ABS_MAX:g}, {L.TARGET_ABS_MAX:g}]",
+                               "steering.target")
         amplify = steering.mode == common_pb2.STEERING_MODE_AMPLIFY
         layer = L.default_inject_layer(self.cfg.n_layers, amplify)
         if steering.HasField("inject_layer"):
             layer = steering.inject_layer
             lo, hi = L.inject_layer_bounds(self.cfg.n_layers)
             if not lo <= layer <= hi:
-                raise _invalid(f"inject_layer {layer} is outside [{lo}, {hi}]")
+                raise _invalid(f"inject_layer {layer} is outside [{lo}, {hi}]", "steering.inject_layer")
         cutoff = L.DEFAULT_CUTOFF
         if steering.HasField("cutoff_tokens"):
             cutoff = steering.cutoff_tokens
             if not L.CUTOFF_MIN <= cutoff <= L.CUTOFF_MAX:
-                raise _invalid(f"cutoff_tokens {cutoff} is outside [{L.CUTOFF_MIN}, {L.CUTOFF_MAX}]")
+                raise _invalid(f"cutoff_tokens {cutoff} is outside [{L.CUTOFF_MIN}, {L.CUTOFF_MAX}]", "steering.cutoff")
         if steering.schedule != common_pb2.STEERING_SCHEDULE_DEFAULT and steering.schedule not in _SCHEDULE_OVERRIDES:
-            raise _invalid(f"unknown steering schedule {steering.schedule}")
+            raise _invalid(f"unknown steering schedule {steering.schedule}", "steering.schedule")
 
         if amplify:
             spec = SteeringSpec.amplify(ids, L.AMPLIFY_TARGET if target is None else target, layer, cutoff)
@@ -235,9 +254,10 @@ class SteeringBackend:
             group = list(dict.fromkeys(ids[1:] + self.catalog.group_neighbours(focal)))
             spec = SteeringSpec.suppress(focal, group, L.SUPPRESS_TARGET if target is None else target, layer)
             spec = dataclasses.replace(spec, cutoff_tokens=cutoff)
-            weights = [given.get(c, 1.0) for c in spec.concept_ids]  # neighbours weigh 1
+            weights = [given.get(c, given[focal]) for c in spec.concept_ids]  # neighbours weigh as the focal concept
         else:
-            raise _invalid(f"unknown steering mode {steering.mode}")
+            raise _invalid(f"unknown steering mode {steering.mode}", "steering.mode")
+        spec = dataclasses.replace(spec, strength=scale)
         if steering.schedule != common_pb2.STEERING_SCHEDULE_DEFAULT:
             spec = dataclasses.replace(spec, schedule=_SCHEDULE_OVERRIDES[steering.schedule])
         return spec, weights

@@ -21,7 +21,7 @@ import grpc
 from cde.rpc import make_server, service_name
 from cde.rpc.serving import serve_until_signal, start_then_load
 from cde.rpc.v1 import common_pb2, steering_pb2, steering_pb2_grpc
-from steering_svc.backend import RequestError, SteeringBackend
+from steering_svc.backend import PARAM_TRAILER, RequestError, SteeringBackend
 
 log = logging.getLogger("steering_svc")
 
@@ -60,6 +60,12 @@ class PreparedCache:
         return len(self._items)
 
 
+async def _refuse(context, e: RequestError) -> None:
+    """Abort the call with the error's status; the offending field travels as a trailer."""
+    trailer = ((PARAM_TRAILER, e.field),) if e.field else ()
+    await context.abort(e.code, e.message, trailing_metadata=trailer)
+
+
 class SteeringServicer(steering_pb2_grpc.SteeringServicer):
     def __init__(self, cache_entries: int = CACHE_ENTRIES):
         self.backend: SteeringBackend | None = None  # set once loaded
@@ -75,21 +81,21 @@ class SteeringServicer(steering_pb2_grpc.SteeringServicer):
         try:
             return backend.search(request)
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await _refuse(context, e)
 
     async def GetConcept(self, request, context):
         backend = await self._ready(context)
         try:
             return backend.get_concept(request)
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await _refuse(context, e)
 
     async def ListConcepts(self, request, context):
         backend = await self._ready(context)
         try:
             return backend.list_concepts(request)
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await _refuse(context, e)
 
     async def DescribeConcept(self, request, context):
         backend = await self._ready(context)
@@ -97,7 +103,7 @@ class SteeringServicer(steering_pb2_grpc.SteeringServicer):
             # off the event loop: the top tokens read the whole (V, D) LM head
             return await asyncio.to_thread(backend.describe, request)
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await _refuse(context, e)
 
     async def BuildSteering(self, request, context):
         backend = await self._ready(context)
@@ -109,7 +115,7 @@ class SteeringServicer(steering_pb2_grpc.SteeringServicer):
             # off the event loop: the alpha and relu mask read the whole (V, D) LM head
             prepared = await asyncio.to_thread(backend.build, request)
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await _refuse(context, e)
         self.cache.put(key, prepared)
         return prepared
 

@@ -314,3 +314,74 @@ def test_resume_keeps_the_request_stop_ids(stack):
     assert stop not in cut and len(cut) < len(tokens), "the stop id did not cut the first stream"
     assert list(again[0].accepted.stop_ids) == [stop]
     assert text(again) == text(first) and [t for e in again if e.HasField("block") for t in e.block.tokens] == cut
+
+
+def test_strength_scales_a_single_concepts_steering_and_one_is_the_default(stack):
+    """strength multiplies the injected magnitude (not only the direction's weights), so one
+    concept at 0.5 / 1 / 2 gives three different texts, and 1 is what an omitted strength gives
+    (the public package's semantics, which tests/test_steering_attribution_svc.py checks bit for bit)."""
+    def text(**concept):
+        body = {"model": "steerling-tiny", "prompt": "Once upon a time", "max_tokens": 64, "seed": 11,
+                "steering": {"concepts": [{"name": "ocean", **concept}], "mode": "amplify", "schedule": "fixed"}}
+        r = client.post(f"{stack.base_url}/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with httpx.Client(timeout=120) as client:
+        half, one, double, omitted = text(strength=0.5), text(strength=1.0), text(strength=2.0), text()
+    assert one == omitted, (one, omitted)
+    assert len({half, one, double}) == 3, (half, one, double)
+
+
+def test_error_param_is_the_offending_fields_path(stack):
+    """REST `error.param` names the exact field (steering.concepts[1].id); gRPC names it as the
+    proto spells it, in the message and the `cde-param` trailer."""
+    base = {"model": "steerling-tiny", "prompt": "x", "max_tokens": 8}
+    with httpx.Client(timeout=60) as client:
+        listed = client.get(f"{stack.base_url}/v1/concepts", params={"head": "discovered", "limit": 1})
+        discovered = listed.json()["data"][0]
+        ocean = client.get(f"{stack.base_url}/v1/concepts", params={"q": "ocean"}).json()["data"][0]
+        cases = [
+            ({"steering": {"concepts": [{"name": "ocean"}, {"id": ocean["id"]}]}}, 400, "steering.concepts[1].id"),
+            ({"steering": {"concepts": [{"id": discovered["id"]}]}}, 400, "steering.concepts[0].id"),
+            ({"steering": {"concepts": [{"name": "ocean"}, {"name": "no-such-concept"}]}}, 404,
+             "steering.concepts[1].name"),
+            ({"steering": {"concepts": [{"name": "ocean", "strength": 99}]}}, 400, "steering.concepts[0].strength"),
+        ]
+        for extra, status, param in cases:
+            r = client.post(f"{stack.base_url}/v1/completions", json={**base, **extra})
+            assert (r.status_code, r.json()["error"]["param"]) == (status, param), (extra, r.text)
+        r = client.post(f"{stack.base_url}/v1/completions", content=b"", headers={"Content-Type": "application/json"})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "body"), r.text
+
+    async def grpc_error():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.ports['gateway_grpc']}") as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            call = stub.Generate(generate_pb2.GenerateRequest(
+                model="steerling-tiny", prompt="x", decode=common_pb2.DecodeOptions(max_new_tokens=10**6)))
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details(), {k: v for k, v in (e.trailing_metadata() or ())}
+            raise AssertionError("an oversized max_new_tokens was accepted")
+    code, details, trailers = asyncio.run(grpc_error())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "decode.max_new_tokens" in details, details
+    assert "max_tokens" not in details and trailers.get("cde-param") == "decode.max_new_tokens", (details, trailers)
+
+
+def test_token_attributions_come_in_position_order_with_their_commit_order(stack):
+    body = {"model": "steerling-tiny", "prompt": "Once upon a time", "max_tokens": 64, "seed": 5,
+            "attribution": "tokens"}
+    with httpx.Client(timeout=120) as client:
+        r = client.post(f"{stack.base_url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    tokens = r.json()["cde"]["token_attributions"]
+    positions = [t["position"] for t in tokens]
+    assert positions == sorted(positions) and len(set(positions)) == len(positions), positions
+    by_block: dict[int, list[int]] = {}
+    for t in tokens:   # commit_order counts within the token's 64-token block
+        by_block.setdefault(t["position"] // 64, []).append(t["commit_order"])
+    for orders in by_block.values():
+        assert sorted(orders) == list(range(len(orders))), orders
+    assert any(orders != sorted(orders) for orders in by_block.values()), by_block  # diffusion is not left to right

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,55 @@ def test_readme_shows_every_example_and_only_existing_ones():
         assert f"examples/{name}" in readme, f"README does not show examples/{name}"
     for named in re.findall(r"examples/([\w.]+)", readme):
         assert (EXAMPLES / named).is_file(), f"README names examples/{named}, which does not exist"
+
+
+# a README code block that talks to the API (then it must be the text of an examples/ file)
+API_SNIPPET = re.compile(r"\$base|base_url|stub\.|GenerateRequest|cde\.client|/v1/")
+
+
+def readme_code_blocks(text: str) -> list[str]:
+    return re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S)
+
+
+def contained_in(snippet: str, text: str) -> bool:
+    """`snippet` is a run of whole lines of `text`, up to a common indentation (a README block
+    shows a function's body without its indent)."""
+    want = textwrap.dedent(snippet).strip("\n").splitlines()
+    lines = text.splitlines()
+    n = len(want)
+    return any(textwrap.dedent("\n".join(lines[i:i + n])).splitlines() == want
+               for i in range(len(lines) - n + 1))
+
+
+def test_every_readme_api_snippet_is_the_text_of_an_example():
+    """What a user copies from the README is what the tests run: each API snippet appears verbatim
+    (whole lines) in one of the example files, so it names the default model and concepts that exist."""
+    readme = (ROOT / "README.md").read_text()
+    texts = {p.name: p.read_text() for p in EXAMPLES.iterdir() if p.suffix in (".sh", ".py")}
+    snippets = [b for b in readme_code_blocks(readme) if API_SNIPPET.search(b)]
+    assert len(snippets) >= 5, snippets   # curl, OpenAI, CLI, gRPC (two), causal curl
+    for snippet in snippets:
+        assert any(contained_in(snippet, t) for t in texts.values()), \
+            f"README snippet is in no examples/ file:\n{snippet}"
+    assert "steerling-tiny" not in "".join(snippets)   # not the default model: 404 on a fresh stack
+    for name, text in texts.items():
+        if "curl " in text:   # a refused request prints the API's error body, not just curl's exit code
+            assert "--fail-with-body" in text and not re.search(r"curl -\w*f", text), name
+
+
+def test_example_concepts_are_steerable_concepts_of_the_default_model():
+    """The concept names the examples steer with are exact catalog names of steerling-small
+    (not base names that need resolving), known and steerable."""
+    import pandas as pd
+    labels = pd.read_parquet(ROOT / "models" / "steerling-small" / "concept_labels.parquet")
+    known = labels[(labels["head"] == "known") & labels["is_steerable"]]
+    names = set(known["concept_name"])
+    used = set()
+    for p in EXAMPLES.iterdir():
+        text = p.read_text()
+        used |= set(re.findall(r'"name": "([^"]+)"', text)) | set(re.findall(r'SteeringConcept\(name="([^"]+)"\)', text))
+        used |= set(re.findall(r"--(?:steer|suppress) (\S+)", text))
+    assert used and used <= names, sorted(used - names)
 
 
 def test_example_defaults_are_the_launchers_ports():

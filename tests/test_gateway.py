@@ -300,7 +300,7 @@ def test_completion_non_stream_resolves_every_option(client: httpx.Client, stack
     assert [b["text"] for b in cde["blocks"]] == ["Hello, caf", "é!"]
     assert cde["blocks"][1]["tokens"] == list(b"\xa9!")
     ta = cde["token_attributions"][0]
-    assert ta == {"position": 2, "token": ord("H"), "text": "H", "target_logit": 2.0, "residual": 0.5,
+    assert ta == {"position": 2, "commit_order": 0, "token": ord("H"), "text": "H", "target_logit": 2.0, "residual": 0.5,
                   "top": [{"concept_id": 0, "label": "Known: ocean", "score": 1.5, "head": "known"}],
                   "other": {"known": 0.0, "discovered": 0.0}}
     assert len(cde["chunk_attributions"]) == 2 and cde["chunk_attributions"][0]["top"][0]["label"] == "Known: river"

@@ -9,6 +9,7 @@ steering service built, with end-of-chunk and stop tokens forced in so chunks sp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -169,11 +170,15 @@ def test_build_steering_equals_in_process_prepare(model, catalog):
     cases = [
         # amplify, defaults: the preset's layer 8 of 32 scaled to the tiny model's 4 layers: 1
         (common_pb2.SteeringRequest(concepts=[concept("ocean")]), SteeringSpec.amplify([0], 8.0, 1, 32), None),
-        # per-concept strengths weigh the direction; overrides of the preset
+        # one concept's strength scales the magnitude only (the direction is the unweighted one)
+        (common_pb2.SteeringRequest(concepts=[concept("ocean", 0.5)]),
+         dataclasses.replace(SteeringSpec.amplify([0], 8.0, 1, 32), strength=0.5), None),
+        # several: the largest strength is the magnitude, the others relative to it weigh the
+        # direction; overrides of the preset
         (common_pb2.SteeringRequest(concepts=[concept("Ocean", 2.0), concept(2, 0.5), concept("song")],
                                     target=5.5, inject_layer=2, cutoff_tokens=10,
                                     schedule=common_pb2.STEERING_SCHEDULE_FIXED),
-         SteeringSpec((0, 2, 7), 5.5, True, 2, "fixed", 10), [2.0, 0.5, 1.0]),
+         SteeringSpec((0, 2, 7), 5.5, True, 2, "fixed", 10, strength=2.0), [1.0, 0.5 / 2.0, 1.0 / 2.0]),
         # suppress: the focal concept, its group neighbours, raw alpha -7, layer n_layers // 2, relu mask
         (common_pb2.SteeringRequest(concepts=[concept("music")], mode=common_pb2.STEERING_MODE_SUPPRESS),
          SteeringSpec.suppress(music, catalog.group_neighbours(music)), None),
@@ -181,8 +186,8 @@ def test_build_steering_equals_in_process_prepare(model, catalog):
         (common_pb2.SteeringRequest(concepts=[concept("music", 3.0), concept("rhythm", 2.0), concept("ocean")],
                                     mode=common_pb2.STEERING_MODE_SUPPRESS, target=-3.0, inject_layer=1,
                                     schedule=common_pb2.STEERING_SCHEDULE_HARD_CUTOFF, cutoff_tokens=16),
-         SteeringSpec((music, 6, 0, 5, 7), -3.0, False, 1, "hard_cutoff", 16, {music: 20.0}),
-         [3.0, 2.0, 1.0, 1.0, 1.0]),
+         SteeringSpec((music, 6, 0, 5, 7), -3.0, False, 1, "hard_cutoff", 16, {music: 20.0}, strength=3.0),
+         [1.0, 2.0 / 3.0, 1.0 / 3.0, 1.0, 1.0]),  # the neighbours weigh as the focal concept
     ]
 
     async def main():
@@ -343,7 +348,12 @@ def test_attribute_stream_equals_in_process_attribution(model, catalog, steered_
     assert [r.block_index for r in responses] == [b.block for b in res.blocks]
 
     tokens = [t for r in responses for t in r.token_attributions]
-    assert [t.position for t in tokens] == res.records.positions.tolist()
+    # position order within each block; commit_order is the record's index in its block
+    assert [t.position for t in tokens] == sorted(res.records.positions.tolist())
+    for r in responses:
+        block_rows = [row_of[t.position] for t in r.token_attributions]
+        assert sorted(t.commit_order for t in r.token_attributions) == list(range(len(block_rows)))
+        assert [min(block_rows) + t.commit_order for t in r.token_attributions] == block_rows
     k_all = cfg.topk_known + cfg.topk_discovered
     for t in tokens:
         i = row_of[t.position]

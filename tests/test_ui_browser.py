@@ -73,6 +73,20 @@ def page_body(steering: dict | None) -> dict:
     return body
 
 
+def visible(text: str) -> str:
+    """How a cell shows a token's text (run.js visible()): the whole text, spaces etc. made visible."""
+    if text == "":
+        return "∅"
+    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥")
+
+
+def assert_cell_shows_all_of(driver, cell, text: str) -> None:
+    """The cell's text is the token's whole text, and none of it is clipped."""
+    assert cell.get_attribute("textContent") == visible(text), (cell.get_attribute("textContent"), text)
+    clipped = js(driver, "const c = arguments[0]; return [c.scrollWidth - c.clientWidth, c.scrollHeight - c.clientHeight];", cell)
+    assert clipped[0] <= 1 and clipped[1] <= 1, f"cell for {text!r} clipped by {clipped} px"
+
+
 def wait_for(pred, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while True:
@@ -193,13 +207,17 @@ def test_key_prompt_concept_compare_steps_and_attribution(stack, driver) -> None
     for run, events in ((runs[0], steered_api), (runs[1], default_api)):
         expected = {p: ta["text"] for p, ta in api_tokens(events).items()}
         assert page_tokens(run) == expected
-        # the last block's cells carry the step that filled them, as the API's step events say
+        # the last block's cells carry the step that filled them, as the API's step events say,
+        # and each shows its token's whole text
         steps = api_steps(events)
+        step_texts = {p: t for e in events if e["object"] == "cde.step"
+                      for p, t in zip(e["cde"]["positions"], e["cde"]["texts"])}
         cells = run.find_elements(By.CSS_SELECTOR, ".cells .cell.filled")
         assert cells
         for cell in cells:
             pos = int(re.match(r"position (\d+)", cell.get_attribute("aria-label")).group(1))
             assert int(cell.get_attribute("data-step")) == steps[pos], pos
+            assert_cell_shows_all_of(driver, cell, step_texts[pos])
     assert page_tokens(runs[0]) != page_tokens(runs[1]), "steering changed nothing"
 
     # The concept panel shows catalog labels.
@@ -250,6 +268,128 @@ def test_key_prompt_concept_compare_steps_and_attribution(stack, driver) -> None
     assert console_errors(driver) == []
 
 
+def open_ui(stack, driver) -> None:
+    """The page with the key in this tab's sessionStorage (as typed in the first test), so a test
+    runs alone too."""
+    from selenium.webdriver.common.by import By
+    driver.get(stack.base_url + "/ui")
+    js(driver, "sessionStorage.setItem('cde.apiKey', arguments[0])", KEY)
+    driver.get(stack.base_url + "/ui")
+    wait_for(lambda: "steerling-tiny" in driver.find_element(By.ID, "model-info").text, 30, "model info")
+
+
+def test_a_cell_shows_a_long_tokens_whole_text(stack, driver) -> None:
+    """The tiny model's tokens are single bytes; a BPE model's are words (" dragon"): a cell is as
+    wide as its token, never a clipped middle of it. Drawn through the page's own RunView."""
+    from selenium.webdriver.common.by import By
+
+    open_ui(stack, driver)
+    set_field(driver, "prompt", PROMPT)
+    set_field(driver, "opt-seed", str(SEED))
+    set_field(driver, "opt-max-tokens", "16")
+    driver.find_element(By.ID, "run").click()
+    wait_for(lambda: [r for r in driver.find_elements(By.CSS_SELECTOR, ".run") if r.get_attribute("data-state") == "done"],
+             120, "the run to finish")
+    texts = [" dragon", " extraordinarily", "\n\n", "🐉 ok"]
+    js(driver, """
+        const view = window.cdeRuns[0], texts = arguments[0];
+        const block = Math.floor(view.winStart / view.width);
+        const first = Math.max(view.winStart, view.promptLen);
+        view.push({object: "cde.step", cde: {step: 999, block_index: block,
+                   positions: texts.map((_, i) => first + i), tokens: texts.map(() => 1), texts}});""", texts)
+    run = driver.find_element(By.CSS_SELECTOR, ".run")
+    cells = wait_for(lambda: [c for c in run.find_elements(By.CSS_SELECTOR, ".cells .cell.filled")
+                              if c.get_attribute("data-step") == "999"], 10, "the drawn step")
+    assert len(cells) == len(texts)
+    for cell, text in zip(cells, texts):
+        assert_cell_shows_all_of(driver, cell, text)
+    assert js(driver, "return document.documentElement.scrollWidth <= window.innerWidth + 1")
+    assert console_errors(driver) == []
+
+
+def pick_concept(driver, query: str) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    search = driver.find_element(By.ID, "concept-search")
+    search.send_keys(query)
+    wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, "#concept-options [role=option]"), 30, "concept options")
+    search.send_keys(Keys.ENTER)
+    wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, "#chips .chip"), 10, "a chip")
+
+
+def record_requests(driver) -> None:
+    """Wrap the page's fetch so the test reads every request body the page sends."""
+    js(driver, """
+        window.sentBodies = [];
+        const real = window.fetch;
+        window.fetch = (url, opts) => {
+          if (opts && opts.body) window.sentBodies.push({url: String(url), body: JSON.parse(opts.body)});
+          return real(url, opts);
+        };""")
+
+
+def test_steering_target_reaches_the_request(stack, driver) -> None:
+    from selenium.webdriver.common.by import By
+
+    open_ui(stack, driver)
+    set_field(driver, "prompt", PROMPT)
+    set_field(driver, "opt-seed", str(SEED))
+    set_field(driver, "opt-max-tokens", "16")
+    pick_concept(driver, "ocea")
+    # the strength slider says what strength means
+    slider = driver.find_element(By.CSS_SELECTOR, "#chips .chip input[type=range]")
+    help_text = driver.find_element(By.ID, slider.get_attribute("aria-describedby")).get_attribute("textContent")
+    assert "0.5" in help_text and "half" in help_text and "double" in help_text
+    driver.find_element(By.CSS_SELECTOR, "#steer-advanced summary").click()
+    curl = driver.find_element(By.ID, "curl")
+    assert '"target"' not in curl.get_attribute("textContent")   # empty: the server's default
+    set_field(driver, "opt-steer-target", "3.5")
+    wait_for(lambda: '"target": 3.5' in curl.get_attribute("textContent"), 10, "target in the curl command")
+    record_requests(driver)
+    driver.find_element(By.ID, "run").click()
+    wait_for(lambda: len(driver.find_elements(By.CSS_SELECTOR, ".run")) == 2
+             and all(r.get_attribute("data-state") in ("done", "error", "stopped")
+                     for r in driver.find_elements(By.CSS_SELECTOR, ".run")), 120, "both runs to finish")
+    assert [r.get_attribute("data-state") for r in driver.find_elements(By.CSS_SELECTOR, ".run")] == ["done", "done"], \
+        driver.find_element(By.ID, "error").text
+    sent = [b["body"] for b in js(driver, "return window.sentBodies") if b["url"].endswith("/v1/chat/completions")]
+    steered = [b for b in sent if "steering" in b]
+    assert len(sent) == 2 and len(steered) == 1
+    assert steered[0]["steering"]["target"] == 3.5
+    # out of its bound: the API's 400 names the field, and the page shows it
+    set_field(driver, "opt-steer-target", "1000")
+    driver.find_element(By.ID, "run").click()
+    box = driver.find_element(By.ID, "error")
+    wait_for(lambda: box.is_displayed() and "steering.target" in box.text, 60, "the 400 naming steering.target")
+    set_field(driver, "opt-steer-target", "")
+    wait_for(lambda: '"target"' not in curl.get_attribute("textContent"), 10, "no target once emptied")
+    assert console_errors(driver) == []
+
+
+def test_stopped_run_says_stopped(stack, driver) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    open_ui(stack, driver)
+    set_field(driver, "prompt", PROMPT)
+    set_field(driver, "opt-seed", str(SEED))
+    set_field(driver, "opt-max-tokens", "512")
+    Select(driver.find_element(By.ID, "opt-pace")).select_by_value("120")   # well behind the stream
+    driver.find_element(By.ID, "run").click()
+    run = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".run"), 30, "a run")[0]
+    wait_for(lambda: run.get_attribute("data-state") == "running"
+             and int(run.find_element(By.CLASS_NAME, "cells").get_attribute("data-filled") or 0) > 0, 60, "first steps drawn")
+    driver.find_element(By.ID, "stop").click()
+    wait_for(lambda: run.get_attribute("data-state") == "stopped", 30, "the stopped state")
+    stats = run.find_element(By.CLASS_NAME, "run-stats").text
+    assert stats.endswith("stopped") and "finished" not in stats, stats
+    assert "ended" in run.find_element(By.CLASS_NAME, "cells").get_attribute("class")
+    assert not driver.find_element(By.ID, "error").is_displayed()   # stopping is not an error
+    assert driver.find_element(By.ID, "stop").get_attribute("disabled") == "true"
+    assert driver.find_element(By.ID, "run").is_enabled()
+    assert console_errors(driver) == []
+
+
 def test_bad_request_shows_the_api_error_text(stack, driver) -> None:
     from selenium.webdriver.common.by import By
 
@@ -286,6 +426,26 @@ def test_narrow_window_has_no_horizontal_scroll(stack, driver) -> None:
         assert unnamed == []
     finally:
         set_viewport(driver, 1280, 800)
+
+
+def test_screenshot_script_runs(stack, driver, tmp_path) -> None:
+    """scripts/ui_screenshots.py (the README's screenshots) against this stack: both pictures come
+    out, the finished one the whole page. Its defaults (steerling-small, `sea`) are the README's."""
+    import subprocess
+    import sys
+
+    from cde.launch import ROOT
+    script = ROOT / "scripts" / "ui_screenshots.py"
+    text = script.read_text()
+    assert 'default=str(ROOT / "models" / "steerling-small")' in text and 'default="sea"' in text
+    proc = subprocess.run([sys.executable, str(script), "--url", stack.base_url, "--api-key", KEY, "--concept", "ocean",
+                           "--max-tokens", "96", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for name in ("live-view-midway.png", "live-view-finished.png"):
+        png = (tmp_path / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+        assert width == 1280 and height >= 800, (name, width, height)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,12 @@ Semantics of the public package (`SteerlingGenerator._prepare_steering`,
 - suppress: raw alpha (default -7) over the concept and its group neighbours, fixed schedule,
   inject_layer default n_layers // 2, and 20 * relu(E_c . W_lm^T) subtracted from the logits;
 - injection only at positions that are still masked, rebuilt every step.
+
+Beyond the package, a request's per-concept `strength` (default 1: the package exactly):
+the largest strength scales the injected magnitude (`SteeringSpec.strength`: alpha, and the
+suppress preset's logit mask, times it), the strengths relative to it weight the direction's
+sum. So one concept at strength 0.5 / 2 is steered half / twice as hard, and {a: 1, b: 0.5}
+steers along a + b/2 at full magnitude.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class SteeringSpec:
     schedule: Schedule = "fixed"
     cutoff_tokens: int = DEFAULT_CUTOFF
     relu_mask: dict[int, float] = field(default_factory=dict)
+    strength: float = 1.0              # scales alpha and the relu mask (1: the package's presets)
 
     @staticmethod
     def amplify(concept_ids, target: float = AMPLIFY_TARGET, inject_layer: int = AMPLIFY_INJECT_LAYER,
@@ -67,7 +74,7 @@ class PreparedSteering:
 def steering_direction(concept_embeddings: Tensor, weights: Tensor | None = None) -> Tensor:
     """L2-normalized (weighted) sum of (K, D) embeddings, fp32.
 
-    weights: (K,) per-concept strengths (a request's SteeringConcept.strength); None means
+    weights: (K,) relative per-concept weights (a request's SteeringConcept.strength); None means
     all 1 and skips the multiply, so unweighted callers get exactly the unweighted sum.
     """
     emb = concept_embeddings.float()
@@ -120,13 +127,15 @@ def prepare(spec: SteeringSpec, known_embeddings: Tensor, lm_weight: Tensor, n_l
         raise ValueError("steering needs at least one concept")
     direction = steering_direction(known_embeddings, weights)
     alpha = base_alpha(spec.target, direction, lm_weight, spec.normalize)
+    if spec.strength != 1.0:
+        alpha *= spec.strength
     layer = spec.inject_layer if spec.inject_layer is not None else n_layers // 2
     mask = None
     if spec.relu_mask:
         if relu_embeddings is None:
             rows = [spec.concept_ids.index(c) for c in spec.relu_mask]
             relu_embeddings = known_embeddings[rows]
-        strengths = torch.tensor(list(spec.relu_mask.values()), dtype=torch.float32)
+        strengths = torch.tensor(list(spec.relu_mask.values()), dtype=torch.float32) * spec.strength
         mask = relu_logit_mask(relu_embeddings, strengths.to(relu_embeddings.device), lm_weight)
     return PreparedSteering(direction.to(dtype or known_embeddings.dtype), alpha, layer, spec.schedule,
                             spec.cutoff_tokens, mask)

@@ -199,20 +199,22 @@ class OtherConcepts(_message.Message):
     def __init__(self, known: _Optional[float] = ..., discovered: _Optional[float] = ...) -> None: ...
 
 class TokenAttribution(_message.Message):
-    __slots__ = ("position", "token", "target_logit", "residual", "top", "other")
+    __slots__ = ("position", "token", "target_logit", "residual", "top", "other", "commit_order")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TARGET_LOGIT_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
     OTHER_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_ORDER_FIELD_NUMBER: _ClassVar[int]
     position: int
     token: int
     target_logit: float
     residual: float
     top: _containers.RepeatedCompositeFieldContainer[ConceptScore]
     other: OtherConcepts
-    def __init__(self, position: _Optional[int] = ..., token: _Optional[int] = ..., target_logit: _Optional[float] = ..., residual: _Optional[float] = ..., top: _Optional[_Iterable[_Union[ConceptScore, _Mapping]]] = ..., other: _Optional[_Union[OtherConcepts, _Mapping]] = ...) -> None: ...
+    commit_order: int
+    def __init__(self, position: _Optional[int] = ..., token: _Optional[int] = ..., target_logit: _Optional[float] = ..., residual: _Optional[float] = ..., top: _Optional[_Iterable[_Union[ConceptScore, _Mapping]]] = ..., other: _Optional[_Union[OtherConcepts, _Mapping]] = ..., commit_order: _Optional[int] = ...) -> None: ...
 
 class ChunkAttribution(_message.Message):
     __slots__ = ("start", "end", "residual_pct", "top", "other")

@@ -74,7 +74,7 @@ export async function streamPost(path, body, onEvent, signal) {
 export function curlCommand(path, body) {
   const json = JSON.stringify(body, null, 1).replace(/\n\s*/g, " ");
   const quoted = "'" + json.replace(/'/g, "'\\''") + "'";
-  const lines = [`curl -N ${location.origin}${path}`, "-H 'Content-Type: application/json'"];
+  const lines = [`curl -N --fail-with-body ${location.origin}${path}`, "-H 'Content-Type: application/json'"];
   if (apiKey()) lines.push('-H "Authorization: Bearer $CDE_API_KEY"');
   lines.push("-d " + quoted);
   return lines.join(" \\\n  ");

@@ -80,7 +80,7 @@ function requestBody(seed, steering) {
 function mode() { return document.querySelector("input[name=mode]:checked").value; }
 
 function updateCurl() {
-  const steering = state.causal ? null : steeringPanel.steering(mode());
+  const steering = state.causal ? null : steeringPanel.steering(mode(), num("opt-steer-target"));
   const { path, body } = requestBody(num("opt-seed"), steering);
   $("curl").textContent = curlCommand(path, body);
 }
@@ -105,7 +105,7 @@ async function run(ev) {
   $("stop").disabled = false;
   // One seed for both runs, so the only difference between the columns is the steering.
   const seed = num("opt-seed") ?? Math.floor(Math.random() * 2 ** 31);
-  const steering = state.causal ? null : steeringPanel.steering(mode());
+  const steering = state.causal ? null : steeringPanel.steering(mode(), num("opt-steer-target"));
   const runs = [];
   if (steering) runs.push({ title: `Steered: ${mode()} ${steeringPanel.describe()}`, steering });
   if (!steering || $("compare").checked) runs.push({ title: steering ? "Default (no steering)" : "Output", steering: null });
@@ -130,6 +130,7 @@ async function run(ev) {
       await view.drained();
       view.setState("done");
     } catch (e) {
+      if (e.name === "AbortError") view.discard();   // Stop: what was not drawn yet never will be
       await view.drained();
       view.setState(e.name === "AbortError" ? "stopped" : "error");
       throw e;
@@ -152,6 +153,7 @@ function init() {
   $("prompt-form").addEventListener("submit", run);
   $("prompt-form").addEventListener("input", updateCurl);
   document.querySelectorAll("input[name=mode]").forEach((r) => r.addEventListener("change", updateCurl));
+  for (const t of ["input", "change"]) $("opt-steer-target").addEventListener(t, updateCurl);
   $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
   $("copy-curl").addEventListener("click", async () => {
     try {

@@ -5,7 +5,7 @@ import { ChunkPanel } from "./chunks.js";
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
-/** How a token's text shows inside a small cell. */
+/** How a token's text shows inside a cell: the whole text, with spaces, newlines and tabs made visible. */
 function visible(text) {
   if (text === undefined || text === null) return "?";
   if (text === "") return "∅";
@@ -42,8 +42,8 @@ export class RunView {
       this.cellsEl.append(c);
       this.cells.push(c);
     }
-    this.cellsEl.classList.toggle("narrow-block", this.width <= 16);
     this.info = new Map();         // absolute position -> {text, step, kind}
+    this.state = "waiting";
     this.winStart = null;          // first position of the active block (or causal chunk window)
     this.promptLen = null;
     this.genEnd = null;
@@ -99,12 +99,22 @@ export class RunView {
     });
   }
 
+  /** Stop drawing: drop the events not drawn yet (slow motion may be far behind the stream). */
+  discard() { this.queue.length = 0; }
+
   /** Resolves once every queued event is drawn. */
   async drained() {
     while (this.pumping) await this.pumping;
   }
 
-  setState(state) { this.el.dataset.state = state; }
+  /** waiting | running | done | stopped (the user pressed Stop) | error; the status line says which. */
+  setState(state) {
+    this.el.dataset.state = state;
+    this.state = state;
+    // stopped or failed: masks left in the block will never fill
+    if (state === "stopped" || state === "error") this.cellsEl.classList.add("ended");
+    this._stats();
+  }
 
   _apply(ev) {
     const cde = ev.cde || {};
@@ -290,6 +300,8 @@ export class RunView {
     }
     if (this.seed !== null) parts.push(`seed ${this.seed}`);
     if (this.finish) parts.push(`finished: ${this.finish}`);
+    else if (this.state === "stopped") parts.push("stopped");
+    else if (this.state === "error") parts.push("failed");
     this.statsEl.textContent = parts.join(" · ");
   }
 

@@ -127,6 +127,8 @@ export class SteeringPanel {
       slider.step = "0.1";
       slider.value = String(c.strength);
       slider.setAttribute("aria-label", `strength of ${c.name}`);
+      slider.setAttribute("aria-describedby", "strength-help");
+      slider.title = "strength: scales the injected magnitude (1 = default, 0.5 = half, 2 = double)";
       const out = document.createElement("output");
       out.textContent = c.strength.toFixed(1);
       slider.addEventListener("input", () => {
@@ -146,9 +148,11 @@ export class SteeringPanel {
   }
 
   /** The request's `steering` object, or null with no concept chosen. */
-  steering(mode) {
+  steering(mode, target) {
     if (!this.chosen.size) return null;
-    return { concepts: [...this.chosen.values()].map((c) => ({ id: c.id, strength: c.strength })), mode };
+    const s = { concepts: [...this.chosen.values()].map((c) => ({ id: c.id, strength: c.strength })), mode };
+    if (target !== undefined && Number.isFinite(target)) s.target = target;
+    return s;
   }
 
   describe() {
