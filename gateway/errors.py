@@ -66,6 +66,7 @@ class GatewayError(Exception):
     http_status_override: int | None = None
 
     def __post_init__(self) -> None:
+        self.message = clip_message(self.message)
         super().__init__(self.message)
 
     @property
@@ -73,7 +74,7 @@ class GatewayError(Exception):
         return self.http_status_override or HTTP_STATUS.get(self.code, 500)
 
     def body(self) -> dict[str, Any]:
-        return openai_error_body(self.http_status, self.message, self.param, self.err_code)
+        return openai_error_body(self.http_status, clip_message(self.message), self.param, self.err_code)
 
     def http_headers(self) -> dict[str, str]:
         if self.retry_after_ms is None:
@@ -86,7 +87,7 @@ class GatewayError(Exception):
         if self.retry_after_ms is not None:
             md += ((RETRY_AFTER_MD, str(self.retry_after_ms)),)
         if self.param:
-            md += ((PARAM_MD, utf8_safe(grpc_field(self.param))[:256]),)
+            md += ((PARAM_MD, utf8_safe(grpc_field(self.param))[:256].encode("ascii", "replace").decode()),)
         return md
 
 
@@ -117,6 +118,17 @@ def grpc_message(message: str, param: str | None) -> str:
     if not param or grpc_field(param) == param:
         return message
     return re.sub(rf"(?<![\w.\[]){re.escape(param)}(?![\w\[])", grpc_field(param), message, count=1)
+
+
+MESSAGE_MAX_CHARS = 1024   # an error that quotes a client's 1 MiB field must still fit gRPC's 8 KiB metadata
+
+
+def clip_message(message: str, limit: int = MESSAGE_MAX_CHARS) -> str:
+    """An error message cut to `limit` characters: messages quote the client's input (a model name,
+    a request id, a chat role), which can be as long as the body allows."""
+    if len(message) <= limit:
+        return message
+    return message[:limit - 40] + f"... [{len(message) - limit + 40} characters cut]"
 
 
 def retry_after_seconds(ms: int) -> int:

@@ -16,7 +16,7 @@ import grpc
 
 from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from gateway.auth import ApiKeyAuth
-from gateway.errors import GatewayError, grpc_message
+from gateway.errors import GatewayError, clip_message, grpc_message
 from gateway.pipeline import GenerationStream, Pipeline
 
 
@@ -32,7 +32,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def _abort(self, context: grpc.aio.ServicerContext, e: GatewayError) -> None:
         self.pipeline.metrics.failed(e.http_status)
-        await context.abort(e.code, grpc_message(e.message, e.param), trailing_metadata=e.trailing_metadata())
+        await context.abort(e.code, clip_message(grpc_message(e.message, e.param)), trailing_metadata=e.trailing_metadata())
 
     async def _relay(self, stream: GenerationStream, context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
         try:

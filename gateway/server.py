@@ -25,7 +25,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from cde import limits as L
-from cde.rpc import make_server, service_name
+from cde.rpc import MAX_MESSAGE_BYTES, make_server, service_name
 from cde.rpc.v1 import generate_pb2, generate_pb2_grpc
 from gateway.app import build_app
 from gateway.auth import ApiKeyAuth, SharedBuckets, load_api_keys
@@ -172,7 +172,7 @@ async def serve(settings: GatewaySettings | Any, *, http_socket: socket.socket |
     grpc_server, grpc_port, monitor = None, None, None
     if s.grpc_port >= 0:
         name = service_name(generate_pb2, "Generation")
-        grpc_server, health = await make_server([name], max_message_bytes=max(s.max_body_bytes, 4 << 20),
+        grpc_server, health = await make_server([name], max_message_bytes=max(s.max_body_bytes, MAX_MESSAGE_BYTES),
                                                 share_port=share_grpc_port)
         generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(pipeline, auth), grpc_server)
         grpc_port = grpc_server.add_insecure_port(f"{s.host}:{s.grpc_port}")

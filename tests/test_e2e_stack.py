@@ -385,3 +385,35 @@ def test_token_attributions_come_in_position_order_with_their_commit_order(stack
     for orders in by_block.values():
         assert sorted(orders) == list(range(len(orders))), orders
     assert any(orders != sorted(orders) for orders in by_block.values()), by_block  # diffusion is not left to right
+
+
+def test_errors_that_quote_huge_fields_are_clipped_and_grpc_takes_8_mib(stack):
+    """A 10 kB request_id, a 100 kB model name or a 1 MiB chat role is refused with its own status
+    and a short message (not RESOURCE_EXHAUSTED for the metadata), over gRPC and REST; the public
+    gRPC server takes messages up to the protos' 8 MiB."""
+    async def call(req):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.ports['gateway_grpc']}",
+                                             options=[("grpc.max_send_message_length", 16 << 20)]) as ch:
+            try:
+                async for _ in generate_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details() or ""
+            return grpc.StatusCode.OK, ""
+
+    chat = lambda role: generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role=role, content="hi")])
+    cases = [
+        ("request_id", generate_pb2.GenerateRequest(request_id="r" * 10_000, model="steerling-tiny", prompt="x")),
+        ("model", generate_pb2.GenerateRequest(model="m" * 100_000, prompt="x")),
+        ("role", generate_pb2.GenerateRequest(model="steerling-tiny", chat=chat("x" * (1 << 20)))),
+    ]
+    for what, req in cases:
+        code, details = asyncio.run(call(req))
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (what, code, details[:200])
+        assert 0 < len(details) <= 1024, (what, len(details))
+    # 5 MiB of prompt: past the old 4 MiB cap, inside 8 MiB: refused for its length, not its size
+    code, details = asyncio.run(call(generate_pb2.GenerateRequest(model="steerling-tiny", prompt="a" * (5 << 20))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details[:200])
+    with httpx.Client(timeout=60) as client:
+        r = client.post(f"{stack.base_url}/v1/completions", json={"model": "m" * 100_000, "prompt": "x"})
+        assert r.status_code in (400, 404) and len(r.json()["error"]["message"]) <= 1024, r.text[:300]
