@@ -25,7 +25,7 @@ from cde import limits as L
 from cde.checkpoint import CheckpointError, CheckpointReader
 from cde.rpc import floats_to_bytes
 from cde.rpc.v1 import common_pb2, steering_pb2
-from cde.steerling.catalog import HEADS, Concept, ConceptCatalog
+from cde.steerling.catalog import HEADS, Concept, ConceptCatalog, NameNotFound
 from cde.steerling.config import SteerlingConfig
 from cde.steerling.loading import embedding_name
 from cde.steerling.steering import SteeringSpec, prepare
@@ -95,13 +95,6 @@ class SteeringBackend:
                                (DISC_BASIS, self.disc_basis, (d, r))):
             if tuple(t.shape) != shape:
                 raise CheckpointError(f"{name}: expected shape {shape} from config.json, got {tuple(t.shape)}")
-        # by_name() knows only known concepts; discovered names are indexed here so that naming one
-        # is INVALID_ARGUMENT ("not steerable") rather than a misleading NOT_FOUND.
-        self._discovered_by_name: dict[str, Concept] = {}
-        for j in range(self.cfg.n_discovered):
-            c = self.catalog.get(self.cfg.n_known + j)
-            if c is not None:
-                self._discovered_by_name.setdefault(c.name.strip().lower(), c)
         # Building reads the whole LM head (and, for a bf16 checkpoint, makes an fp32 temporary of
         # it): one build at a time bounds that memory; the LRU cache in front makes repeats free.
         self._build_lock = threading.Lock()
@@ -176,10 +169,13 @@ class SteeringBackend:
                                  f"(ids 0..{self.cfg.n_known + self.cfg.n_discovered - 1})")
             return c
         if which == "name":
-            c = self.catalog.by_name(name) or self._discovered_by_name.get(name.strip().lower())
-            if c is None:
-                raise _not_found(f"no concept named {name!r} in {self.model_name}")
-            return c
+            # exact name, else a unique base name ("music" -> "music (Empath)"); discovered names
+            # resolve too, so that steering by one is INVALID_ARGUMENT ("only known concepts can
+            # steer") rather than a misleading NOT_FOUND
+            try:
+                return self.catalog.find_name(name)
+            except NameNotFound as e:
+                raise _not_found(f"{e.message} (in {self.model_name})") from None
         raise _invalid("a concept needs a concept_id or a name")
 
     def get_concept(self, request: steering_pb2.GetConceptRequest) -> common_pb2.Concept:

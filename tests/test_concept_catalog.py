@@ -315,3 +315,51 @@ def test_causal_model_keeps_refusing_the_catalog(services: Services) -> None:
             r = c.get(path, params=params)
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == "model" and "causal" in r.json()["error"]["message"]
+
+
+# ---- names, search ranking and discovered entries (ConceptCatalog alone) ------------------------
+SMALL_DIR = ROOT / "models" / "steerling-small"
+
+
+def test_discovered_ids_resolve_with_or_without_the_bundle_file() -> None:
+    from cde.steerling.catalog import DISCOVERED_FILE
+
+    described = ConceptCatalog.load(SMALL_DIR, 1741, 2048)
+    generic = ConceptCatalog.from_parquet(SMALL_DIR / "concept_labels.parquet", 1741, 2048)  # no descriptions
+    assert len(described) == len(generic) == 1741 + 2048
+    for cid in range(1741, 1741 + 2048):
+        d, g = described.get(cid), generic.get(cid)
+        assert d.head == g.head == "discovered" and not d.steerable and not g.steerable
+        assert d.name.startswith(f"Discovered #{cid}: ") and g.name == f"Discovered #{cid}"
+        assert g.label == f"Discovered: #{cid}" and d.label == "Discovered: " + d.name[len("Discovered "):]
+    assert described.get(3789) is None and (SMALL_DIR / DISCOVERED_FILE).exists()
+    page, more = generic.page(10, after=1745, head="discovered")
+    assert [c.concept_id for c in page] == list(range(1746, 1756)) and more
+
+
+def test_names_resolve_exact_then_unique_base_name() -> None:
+    from cde.steerling.catalog import NameNotFound
+
+    cat = ConceptCatalog.load(SMALL_DIR, 1741, 2048)
+    assert cat.find_name("SEA").concept_id == 0
+    assert cat.find_name("seafood").name == cat.by_name("Seafood (WordNet)").name == "seafood (WordNet)"
+    assert cat.find_name("Discovered #2000").concept_id == 2000
+    assert cat.find_name("music").name == "music (Empath)"   # the one steerable known "music"
+    with pytest.raises(NameNotFound) as err:
+        cat.find_name("plant")
+    assert err.value.ambiguous and err.value.candidates == ["plant (WordNet)", "plant (Empath)"]
+    with pytest.raises(NameNotFound) as err:
+        cat.find_name("oceann")
+    assert not err.value.ambiguous and "ocean (Empath)" in err.value.candidates and len(err.value.candidates) <= 5
+    assert cat.by_name("plant") is None and cat.by_name("no such thing") is None
+
+
+def test_search_ranks_names_above_substrings_inside_words() -> None:
+    cat = ConceptCatalog.load(SMALL_DIR, 1741, 2048)
+    sea = [c.name for c in cat.search("sea", 20)]
+    assert sea[0] == "sea" and "disease (Roget 655)" not in sea[:5], sea
+    known = [c.name for c in cat.search("sea", 20, known_only=True)]
+    assert known[:4] == ["sea", "seagull", "seashell", "seafood (WordNet)"], known   # exact, then word prefixes
+    assert known.index("disease (Roget 655)") > 3
+    music = [c.name for c in cat.search("Music", 5, known_only=True)]
+    assert music[:2] == ["music (Empath)", "music (Roget 415)"], music              # base names first
