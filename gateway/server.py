@@ -59,6 +59,8 @@ class GatewaySettings:
     health_interval_s: float = 2.0
     log_level: str = "info"
     processes: int = 1                    # > 1: that many gateway processes share both ports (SO_REUSEPORT)
+    http_read_timeout_s: float = 30.0     # a request's headers and body must arrive within this (slow clients)
+    max_connections: int = 4096           # open HTTP connections + requests in flight; past it new ones get 503
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> GatewaySettings:
@@ -113,6 +115,51 @@ class GatewayHandle:
         await asyncio.shield(self._uvicorn_task)
 
 
+def with_read_timeout(protocol: type, timeout_s: float) -> type:
+    """uvicorn's HTTP protocol (h11 or httptools) with a deadline for reading each request: a
+    connection whose request headers and body have not all arrived `timeout_s` after it opened,
+    or after its previous response, is closed. uvicorn has no such timeout of its own, so a
+    client that sends headers a byte at a time (or never finishes a body) held its socket forever.
+    Reads the protocol's `cycle` (the request being served), as both implementations keep it."""
+
+    class ReadTimeoutProtocol(protocol):
+        _read_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_read_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_read_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_read_timer(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+            self._read_timer = self.loop.call_later(timeout_s, self._read_timed_out)
+
+        def _read_timed_out(self) -> None:
+            cycle = self.cycle
+            # no request yet, only the previous (finished) one, or a body still arriving
+            if cycle is None or cycle.response_complete or cycle.more_body:
+                self.transport.close()
+
+    ReadTimeoutProtocol.__name__ = f"ReadTimeout{protocol.__name__}"
+    return ReadTimeoutProtocol
+
+
+def http_protocol(timeout_s: float) -> type:
+    """uvicorn's "auto" protocol class (httptools when installed, else h11) with the read timeout."""
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+    return with_read_timeout(import_from_string(HTTP_PROTOCOLS["auto"]), timeout_s)
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: the process owner (launcher, __main__) decides."""
 
@@ -151,6 +198,8 @@ def check_settings(s: GatewaySettings) -> None:
         raise ValueError(f"max_tokens_limit must be >= 1 and max_body_bytes >= {L.MIN_BODY_BYTES}")
     if not 1 <= s.processes <= MAX_PROCESSES:
         raise ValueError(f"processes must be 1 .. {MAX_PROCESSES}, got {s.processes}")
+    if not s.http_read_timeout_s > 0 or s.max_connections < 1:
+        raise ValueError("http_read_timeout_s must be > 0 and max_connections >= 1")
 
 
 async def serve(settings: GatewaySettings | Any, *, http_socket: socket.socket | None = None,
@@ -182,7 +231,8 @@ async def serve(settings: GatewaySettings | Any, *, http_socket: socket.socket |
         monitor = asyncio.create_task(_monitor(pipeline, health, s.health_interval_s))
 
     config = uvicorn.Config(app, host=s.host, port=s.http_port, lifespan="off", log_level=s.log_level,
-                            timeout_graceful_shutdown=5, access_log=False)
+                            timeout_graceful_shutdown=5, access_log=False,
+                            http=http_protocol(s.http_read_timeout_s), limit_concurrency=s.max_connections)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[http_socket] if http_socket is not None else None))
     while not server.started:

@@ -829,3 +829,60 @@ def test_locust_load_streams_without_failures(shared, tmp_path, report):
            f"{figures['throughput_rps']} req/s, {figures['tokens_per_s']} tok/s; time to first block p50 "
            f"{figures['time_to_first_block_ms']['p50']:.0f} / p99 {figures['time_to_first_block_ms']['p99']:.0f} ms; "
            f"inter-block p50 {figures['inter_block_ms']['p50']:.0f} / p99 {figures['inter_block_ms']['p99']:.0f} ms")
+
+
+@pytest.mark.fault
+def test_slow_and_idle_sockets_are_closed_and_the_gateway_keeps_serving(tmp_path, report):
+    """Sockets that send headers a piece at a time, never finish them, or trickle a body are
+    closed once the read deadline (here 2 s) passes; while the connection limit is reached new
+    requests get 503 at once, and once the slow sockets are gone requests are served again."""
+    import socket
+
+    limit, slow_n = 60, 80
+    with running_stack(tmp_path / "stack", gateway_args=["--http-read-timeout-s", "2",
+                                                         "--max-connections", str(limit)]) as stack:
+        port = stack.ports["gateway_http"]
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "seed": 1}
+        with httpx.Client(timeout=60) as c:
+            assert c.post(f"{stack.base_url}/v1/completions", json=body).status_code == 200
+        socks = []
+        for i in range(slow_n):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            if i % 3 == 0:      # partial headers
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            elif i % 3 == 1:    # headers done, body promised and never sent in full
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{")
+            socks.append(s)     # i % 3 == 2: connected, nothing sent
+        time.sleep(0.5)
+        with httpx.Client(timeout=10) as c:
+            held = c.get(f"{stack.base_url}/v1/models")
+        assert held.status_code == 503, (held.status_code, held.text[:200])
+        # keep trickling into a third of them: data must not extend the deadline
+        t0 = time.monotonic()
+        closed_at: dict[int, float] = {}
+        while len(closed_at) < slow_n and time.monotonic() - t0 < 10:
+            for i, s in enumerate(socks):
+                if i in closed_at:
+                    continue
+                try:
+                    if i % 3 == 0:
+                        s.sendall(b"X")
+                    s.settimeout(0.01)
+                    if s.recv(4096) == b"":
+                        closed_at[i] = time.monotonic() - t0
+                except (socket.timeout, BlockingIOError):
+                    pass
+                except OSError:
+                    closed_at[i] = time.monotonic() - t0
+            time.sleep(0.1)
+        for s in socks:
+            s.close()
+        assert len(closed_at) == slow_n, f"{slow_n - len(closed_at)} of {slow_n} slow sockets still open after 10 s"
+        with httpx.Client(timeout=60) as c:
+            r = c.post(f"{stack.base_url}/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert c.get(f"{stack.base_url}/health").status_code == 200
+        assert not all_alive(stack), all_alive(stack)
+    report(f"slow sockets: {slow_n} closed within {max(closed_at.values()):.1f} s of a 2 s read deadline; "
+           f"503 while {limit} connections were held; served again after")
