@@ -621,7 +621,7 @@ def test_hostile_input_never_gets_a_5xx_and_nothing_dies(shared, report):
                 code = call(method, kind, payload)
                 codes[code.name] += 1
                 assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, payload, code)
-            code = call(method, kind, b"\x0a" + b"\x80\x80\x80\x03" + b"x" * (6 << 20))   # 6 MiB field
+            code = call(method, kind, b"\x0a" + b"\x80\x80\x80\x05" + b"x" * (10 << 20))   # 10 MiB field: past 8 MiB
             codes[code.name] += 1
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (method, code)
         bad_utf8 = generate_pb2.GenerateRequest(model=MODEL).SerializeToString() + b"\x1a\x02\xff\xfe"
