@@ -17,6 +17,7 @@
 #   bash bench/run_h200.sh isd-prefill-rows # I-DLM-8B time to first token alone and joining, 32 vs 64 prompt rows a step
 #   bash bench/run_h200.sh isd-ttfb    # I-DLM-8B time to first token (1K, 4K) alone and joining, at the engine's defaults
 #   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
+#   bash bench/run_h200.sh train-steerling-v2 # steerling-small v2, resumable across commands (TOTAL_TRAIN_S, EVAL=quick|full, RESUME)
 #   bash bench/run_h200.sh train-all       # both bundled models (idlm-small beside steerling-small + its eval)
 #   bash bench/run_h200.sh eval-idlm       # idlm-8b ISD bench, then idlm-small's full evaluation with H200 speed
 #   bash bench/run_h200.sh kernels-micro # qkv prep (compiled vs Triton) and block attention (splits 1 vs default) at 8B dims
@@ -113,6 +114,34 @@ case "$stage" in
       --time-budget-s "${TRAIN_BUDGET_S:-420}" --data-budget-s 60 2>&1 | grep -v Warning > "$OUT/train-steerling-small-$short.log"
     python3 -u -m train.eval_steerling --model-dir "$OUT/steerling-small" --data "$data" \
       --out "$OUT/eval-steerling-small-h200-$short.json" 2>&1 | grep -v Warning | tee -a "$OUT/train-steerling-small-$short.log" || true
+    rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet" ;;
+  train-steerling-v2)
+    # steerling-small v2 over several commands in one lease, TOTAL_TRAIN_S seconds of training in
+    # all (the LR schedule's length). The first command builds the corpus and times today's recipe
+    # (objective v1, SDPA, batch 64) for 40 steps: the same-run throughput baseline. Every command
+    # resumes /tmp/steerling-ckpt (weights + optimizer) while the machine is still warm, else the
+    # bundle named by RESUME (weights only). EVAL=quick|full evaluates the bundle it returns.
+    data=/tmp/steerling-data; ckpt=/tmp/steerling-ckpt
+    if [ ! -e "$ckpt/state.pt" ] && [ -z "${RESUME:-}" ]; then
+      python3 -u -m train.train_steerling --out /tmp/probe-v1 --data "$data" --objective v1 --attention sdpa \
+        --batch-size 64 --max-steps 40 --log-every-s 2 --time-budget-s 300 --data-budget-s 60 2>&1 \
+        | grep -v Warning > "$OUT/probe-v1-$short.log" || true
+    fi
+    python3 -u -m train.train_steerling --out "$OUT/steerling-small" --data "$data" --checkpoint "$ckpt" \
+      --total-train-s "${TOTAL_TRAIN_S:-900}" --batch-size "${BATCH:-128}" --time-budget-s "${TRAIN_BUDGET_S:-400}" \
+      --data-budget-s 60 ${COMPILE:+--compile} ${RESUME:+--resume "$RESUME"} 2>&1 | grep -v Warning \
+      > "$OUT/train-steerling-small-$short.log" || true
+    tail -n 4 "$OUT/train-steerling-small-$short.log"
+    case "${EVAL:-}" in
+      quick) eval_args="--prompts 24 --concepts 6 --detect-batches 4" ;;
+      full) eval_args="" ;;
+      *) eval_args=skip ;;
+    esac
+    if [ "$eval_args" != skip ]; then
+      python3 -u -m train.eval_steerling --model-dir "$OUT/steerling-small" --data "$data" $eval_args \
+        --out "$OUT/eval-steerling-small-h200-$short.json" 2>&1 | grep -v Warning >> "$OUT/train-steerling-small-$short.log" || true
+      grep -E "meaning|logit mass|clean steering|detection|lift:" "$OUT/train-steerling-small-$short.log" | cut -c1-600
+    fi
     rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet" ;;
   train-all)
     # Both bundled models in one command of < 10 minutes on one GPU: idlm-small in the background

@@ -198,6 +198,85 @@ def attribution_hit_rate(model, data, results: dict) -> dict:
             "rule": "top 5 known concepts by contribution sigmoid(logit) * E . W_lm[y] in the committing forward"}
 
 
+def logit_mass(model, results: dict, top_k: int = 8) -> dict:
+    """How much of each committed token's logit the known head carries, as users see it.
+
+    Per token (the committing forward's terms): known share = sum |C_known| / (sum |C_known| +
+    sum |C_disc| + |residual|), pooled over tokens; and whether its top `top_k` terms of both
+    heads by |contribution| (the API's default attribution_top_k) list a known concept."""
+    known_m, disc_m, lm_m = model_lookups(model)
+    dev = model.rope_cos.device
+    mass = np.zeros(3)
+    tokens = with_known = 0
+    for r in results.values():
+        for ev in r["blocks"]:
+            rec = ev.records
+            if len(rec.tokens) == 0:
+                continue
+            attr = token_attribution(rec, lambda i: known_m(i.to(dev)).cpu(), lambda i: disc_m(i.to(dev)).cpu(),
+                                     lambda i: lm_m(i.to(dev)).cpu())
+            k, d = attr.known_contrib.abs().double(), attr.disc_contrib.abs().double()
+            mass += [float(k.sum()), float(d.sum()), float(attr.residual.abs().double().sum())]
+            both = torch.cat([k, d], dim=1)
+            top = both.topk(min(top_k, both.shape[1]), dim=1).indices
+            with_known += int((top < k.shape[1]).any(1).sum())
+            tokens += len(rec.tokens)
+    total = max(mass.sum(), 1e-30)
+    return {"tokens": tokens, "known_logit_share": mass[0] / total, "discovered_logit_share": mass[1] / total,
+            "residual_logit_share": mass[2] / total, "known_in_top8_frac": with_known / max(tokens, 1),
+            "rule": f"per committed token of the default generations: |terms| of each head and |residual|, "
+                    f"pooled; top {top_k} by |contribution| over both heads"}
+
+
+def longest_run(ids: list[int]) -> int:
+    best = cur = 0
+    prev = None
+    for t in ids:
+        cur = cur + 1 if t == prev else 1
+        prev = t
+        best = max(best, cur)
+    return best
+
+
+def clean_steering(data, lift: dict, gens: dict, prompts: list[str], concepts: list[int], run: int = 5) -> dict:
+    """Steering lift counting only outputs without a run of `run` identical tokens (a repeated
+    keyword is not steering), and the share of steered outputs with such a run."""
+    res, tok = gens["res"], data.tokenizer
+    runs = steered = 0
+    lifts = []
+    for c in concepts:
+        d = s = 0
+        for p_i in range(len(prompts)):
+            out = res[f"s{p_i}-{c}"]["output"]
+            bad = longest_run(out) >= run
+            runs += bad
+            steered += 1
+            d += c in data.concepts_in_text(tok.decode(res[f"d{p_i}"]["output"]))
+            s += (not bad) and c in data.concepts_in_text(tok.decode(out))
+        lifts.append(100 * (s - d) / len(prompts))
+    return {"steering_lift_points_clean": float(np.mean(lifts)), "steered_run5_frac": runs / max(steered, 1)}
+
+
+def meaning(result: dict) -> dict:
+    """The figures issue 32 asks for, gathered from the sections above (None: not measured)."""
+    lift = result.get("steering_lift", {})
+    ppl = lift.get("perplexity", {})
+    mt = result.get("multi_token") or []
+    base = next((r["generative_perplexity"] for r in mt if r["tokens_per_step"] == 1 and r["threshold"] is None), None)
+    within = [r["tokens_per_forward"] for r in mt if base and r["threshold"] is not None
+              and r["generative_perplexity"] <= 1.05 * base]
+    mass = result.get("logit_mass", {})
+    clean = result.get("steering_clean", {})
+    return {"known_logit_share": mass.get("known_logit_share"),
+            "known_in_top8_frac": mass.get("known_in_top8_frac"),
+            "attribution_hit_rate": result.get("attribution", {}).get("hit_rate"),
+            "steering_lift_points_clean": clean.get("steering_lift_points_clean"),
+            "steered_run5_frac": clean.get("steered_run5_frac"),
+            "steered_ppl_ratio": (ppl["steered"] / ppl["default"]) if ppl.get("default") else None,
+            "open_prompt_on_topic_frac": None,     # not measured yet: needs an on-topic judge
+            "threshold_tpf_within_5pct_ppl": max(within) if within else None}
+
+
 # ---- judge ---------------------------------------------------------------------------------
 
 class BigramJudge:
@@ -349,6 +428,11 @@ def main(argv: list[str] | None = None) -> None:
     save()
     result["attribution"] = attribution_hit_rate(model, data, gens["res"])
     log(f"attribution: {result['attribution']}")
+    result["logit_mass"] = logit_mass(model, {k: r for k, r in gens["res"].items() if k.startswith("d")})
+    log(f"logit mass: {result['logit_mass']}")
+    result["steering_clean"] = clean_steering(data, lift, gens, prompts, concepts)
+    log(f"clean steering: {result['steering_clean']}")
+    result["meaning"] = meaning(result)
     save()
     if args.judge_dir and Path(args.judge_dir, "config.json").exists():
         judge = ARJudge(args.judge_dir, device)
@@ -366,7 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     save()
     result["package_parity"] = package_parity(model, torch.from_numpy(raw.tokens.astype(np.int64)))
     result["eval_seconds"] = round(time.monotonic() - t0, 1)
+    result["meaning"] = meaning(result)
     save()
+    log(f"meaning: {result['meaning']}")
     log(json.dumps({k: result[k] for k in ("heldout_masked_loss", "detection", "attribution", "package_parity")}))
 
 

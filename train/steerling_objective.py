@@ -62,6 +62,14 @@ class LossWeights:
     independence: float = 1.0
     steer_words: float = 0.5
     steer_share: float = 0.3   # share of the rows (with a steerable concept) that are steered
+    # v2: route meaning through the bottleneck. CE of the masked tokens read from the concept
+    # features alone (known + discovered, no residual), and from the known features alone: the
+    # known embeddings then point at the words their concepts predict, so attributions name known
+    # concepts and a steering direction raises a concept's words broadly, not one token
+    concept_lm: float = 0.0
+    known_lm: float = 0.0
+    concept_rows: int = 8192   # masked positions sampled per batch for the two terms above
+    steer_somewhere: bool = False   # steer_words per block (some position), not per position
 
 
 @dataclass
@@ -88,6 +96,31 @@ def noisy_clean_mask(seq_len: int, block: int, device: torch.device | str) -> Te
     top = torch.cat([same, before], dim=1)                               # noisy queries
     bottom = torch.cat([torch.zeros_like(upto), upto], dim=1)            # clean queries
     return torch.cat([top, bottom], dim=0)
+
+
+def flex_attend(seq_len: int, block: int, device: torch.device | str):
+    """The [noisy | clean] mask of `noisy_clean_mask` as a compiled FlexAttention (GPU): only the
+    allowed 128 x 128 tiles are computed and no (2T, 2T) mask or score matrix is formed. With a
+    dense bool mask and grouped KV heads SDPA falls back to its math kernel, which materialised
+    fp32 scores of every head: the trainer's largest cost."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    t = seq_len
+
+    def allowed(_b, _h, q, k):
+        q_noisy, k_noisy = q < t, k < t
+        qb, kb = (q % t) // block, (k % t) // block
+        noisy_row = (k_noisy & (qb == kb)) | (~k_noisy & (kb < qb))
+        clean_row = ~k_noisy & (kb <= qb)
+        return torch.where(q_noisy, noisy_row, clean_row)
+
+    mask = create_block_mask(allowed, None, None, 2 * t, 2 * t, device=device)
+    fused = torch.compile(flex_attention, dynamic=False)
+
+    def attend(_i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return fused(q, k, v, block_mask=mask, enable_gqa=True)
+
+    return attend
 
 
 def corrupt(tokens: Tensor, mask_id: int, block: int, generator: torch.Generator,
@@ -146,15 +179,25 @@ def steering_for_rows(model: SteerlingModel, concept: Tensor, inject_layer: int,
 
 @dataclass
 class LossParts:
+    """The total loss and its terms; `parts` turns the terms into floats (one device sync), so
+    call it only when logging: a sync per term per step idled the GPU between steps."""
+
     total: Tensor
-    parts: dict[str, float]
+    terms: dict[str, Tensor]
+
+    @property
+    def parts(self) -> dict[str, float]:
+        names = list(self.terms)
+        values = torch.stack([self.terms[k].detach().float().reshape(()) for k in names]).tolist()
+        return dict(zip(names, values))
 
 
 def training_loss(model: SteerlingModel, batch: Batch, generator: torch.Generator, weights: LossWeights,
-                  concept_words: Tensor, concept_word_mask: Tensor, attend_mask: Tensor,
+                  concept_words: Tensor, concept_word_mask: Tensor, attend_mask,
                   inject_layer: int | None = None, target: float = AMPLIFY_TARGET) -> LossParts:
     """One batch's loss. concept_words (C, W) token ids of each known concept's words (padded),
-    concept_word_mask (C, W) bool marks the real entries."""
+    concept_word_mask (C, W) bool marks the real entries. attend_mask: `noisy_clean_mask`'s
+    (2T, 2T) bool mask for SDPA, or an attend function (`flex_attend`)."""
     cfg = model.cfg
     block = cfg.diff_block_size
     tokens = batch.tokens
@@ -178,8 +221,11 @@ def training_loss(model: SteerlingModel, batch: Batch, generator: torch.Generato
         steering = SteeringInputs(direction.to(model.transformer.tok_emb.weight.dtype), alpha, gate,
                                   torch.full((b,), layer, device=dev, dtype=torch.long))
 
-    def attend(_i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask, enable_gqa=True)
+    if callable(attend_mask):          # e.g. flex_attend(): block-sparse, fused
+        attend = attend_mask
+    else:
+        def attend(_i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask, enable_gqa=True)
 
     h = model.hidden_states(inp, pos, attend, steering)                 # (B, 2T, D)
     h_noisy, h_clean = h[:, :t], h[:, t:]
@@ -199,7 +245,21 @@ def training_loss(model: SteerlingModel, batch: Batch, generator: torch.Generato
             words = concept_words[concept[row_of[on]]]                    # (n, W)
             wmask = concept_word_mask[concept[row_of[on]]]
             got = lp.gather(1, words).masked_fill(~wmask, float("-inf"))
-            steer_words = -torch.logsumexp(got, dim=-1).mean()
+            word_lp = torch.logsumexp(got, dim=-1)                        # (n,) log p(some concept word)
+            if weights.steer_somewhere:
+                # the concept's words somewhere in each steered block, not at every position: the
+                # per-position form taught injections to repeat one word ("sea sea sea")
+                blk_of = (row_of[on] * (t // block)
+                          + torch.arange(t, device=dev)[None].expand(b, t)[masked][on] // block)
+                n_seg = b * (t // block)
+                # log P(a concept word at >= 1 masked position of the block) = log(1 - prod(1 - p_i)):
+                # bounded by 0, so once a block shows the concept there is nothing to gain from more
+                log_not = torch.log1p(-torch.exp(word_lp).clamp_max(1 - 1e-6))
+                none = torch.zeros(n_seg, device=dev, dtype=log_not.dtype).index_add(0, blk_of, log_not)
+                seen = torch.zeros(n_seg, device=dev, dtype=torch.bool).index_fill(0, blk_of, True)
+                steer_words = -torch.log((-torch.expm1(none[seen])).clamp_min(1e-12)).mean()
+            else:
+                steer_words = -word_lp.mean()
 
     # known head (dense over the known concepts)
     w_pred = model.known_head.concept_predictor.weight[: cfg.n_known]
@@ -221,9 +281,26 @@ def training_loss(model: SteerlingModel, batch: Batch, generator: torch.Generato
     disc = F.mse_loss(disc_feat.float(), target_r) / target_r.pow(2).mean().clamp_min(1e-12)
     indep = cross_covariance(disc_feat, known_feat)
 
+    # the bottleneck read alone: masked tokens from known + discovered features, and from known
+    concept_lm = known_lm = mdm.new_zeros(())
+    if weights.concept_lm or weights.known_lm:
+        hm = h_noisy[masked]
+        ym = tokens[masked]
+        if hm.shape[0] > weights.concept_rows:
+            pick_rows = torch.randperm(hm.shape[0], generator=generator, device=dev)[: weights.concept_rows]
+            hm, ym = hm[pick_rows], ym[pick_rows]
+        mk_idx, mk_logits = model.known_head.topk_of(hm, None)
+        kf = model.known_head.features(mk_idx, mk_logits).to(hm.dtype)
+        known_lm = F.cross_entropy(lm(kf).float(), ym)
+        if weights.concept_lm:
+            md_idx, md_logits = model.unknown_head.topk_of(hm, None)
+            df = model.unknown_head.features(md_idx, md_logits).to(hm.dtype)
+            concept_lm = F.cross_entropy(lm(kf + df).float(), ym)
+
     total = (weights.mdm * mdm + weights.known * known + weights.known_token * known_tok
-             + weights.disc * disc + weights.independence * indep + weights.steer_words * steer_words)
-    parts = {k: float(v.detach()) for k, v in (("mdm", mdm), ("known", known), ("known_tok", known_tok), ("disc", disc),
-                                                 ("indep", indep), ("steer_words", steer_words))}
-    parts["steered_rows"] = int(steered.sum())
-    return LossParts(total, parts)
+             + weights.disc * disc + weights.independence * indep + weights.steer_words * steer_words
+             + weights.concept_lm * concept_lm + weights.known_lm * known_lm)
+    terms = {"mdm": mdm, "known": known, "known_tok": known_tok, "disc": disc, "indep": indep,
+             "steer_words": steer_words, "concept_lm": concept_lm, "known_lm": known_lm,
+             "steered_rows": steered.sum()}
+    return LossParts(total, terms)

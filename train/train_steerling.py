@@ -30,7 +30,7 @@ from cde.steerling.config import SteerlingConfig
 from cde.steerling.loading import load_model, save_model
 from cde.steerling.model import SteerlingModel
 from train import steerling_data
-from train.steerling_objective import Batch, LossWeights, noisy_clean_mask, training_loss
+from train.steerling_objective import Batch, LossWeights, flex_attend, noisy_clean_mask, training_loss
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,26 @@ def model_config(shape: Shape, data: steerling_data.SteerlingData) -> SteerlingC
         mask_id=ids["mask"], eot_id=ids["eot"], start_header_id=ids["start_header"],
         end_header_id=ids["end_header"], instruct=True, tokenizer=data.tokenizer_config,
     )
+
+
+OBJECTIVES = {
+    "v1": LossWeights(),
+    # v2: the bottleneck carries the logit (known alone and known + discovered read the masked
+    # tokens), steering asks for the concept's words somewhere in a block, not at every position
+    "v2": LossWeights(steer_words=0.3, concept_lm=0.5, known_lm=0.5, steer_somewhere=True),
+}
+H200_BF16_PEAK = 989e12     # dense bf16 FLOP/s, for the MFU figure
+
+
+def train_flops_per_sample(model: SteerlingModel, seq_len: int) -> float:
+    """Forward + backward FLOPs of one [x_t | x_0] sample (2T positions): 6 x weights touched
+    per position plus attention (QK^T and AV over the allowed half of the keys, x3 for backward)."""
+    cfg = model.cfg
+    dense = sum(p.numel() for n, p in model.named_parameters() if "tok_emb" not in n)
+    dense += cfg.vocab_size * cfg.n_embd                       # the tied LM head, once per masked row (upper bound)
+    positions = 2 * seq_len
+    attn = 4 * positions * seq_len * cfg.n_embd * cfg.n_layers  # ~T keys per query on average
+    return 6.0 * dense * positions + 3.0 * attn
 
 
 def lr_at(progress: float, peak: float, warmup: float) -> float:
@@ -122,23 +142,41 @@ def train(args: argparse.Namespace) -> Path:
                             fused=device.type == "cuda")
     words, word_mask = data.concept_word_table()
     words, word_mask = torch.from_numpy(words).to(device), torch.from_numpy(word_mask).to(device)
-    attend_mask = noisy_clean_mask(shape.seq_len, cfg.diff_block_size, device)
+    attention = args.attention or ("flex" if device.type == "cuda" else "sdpa")
+    attend_mask = (flex_attend(shape.seq_len, cfg.diff_block_size, device) if attention == "flex"
+                   else noisy_clean_mask(shape.seq_len, cfg.diff_block_size, device))
     gen = torch.Generator(device=device).manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    weights = LossWeights()
+    weights = OBJECTIVES[args.objective]
     budget = args.time_budget_s - (time.monotonic() - started) - args.reserve_s
     if budget <= 0:
         raise SystemExit("no time left to train after loading the data")
     warmup = 0.02 if args.resume else 0.05
+    # a schedule over several commands (--total-train-s): this command's share starts where the
+    # checkpoint left off; weights, optimizer and the step count resume from --checkpoint
+    total_s = args.total_train_s or budget
+    done_s, step, tokens_seen, history = 0.0, 0, 0, []
+    ckpt = Path(args.checkpoint) if args.checkpoint else None
+    if ckpt and (ckpt / "state.pt").exists():
+        state = torch.load(ckpt / "state.pt", map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        done_s, step, tokens_seen = float(state["train_seconds"]), int(state["step"]), int(state["tokens"])
+        history = json.loads((ckpt / "history.json").read_text())
+        warmup = 0.05
+        log(f"resumed {ckpt}: step {step}, {tokens_seen / 1e6:.1f}M tokens, {done_s:.0f} of {total_s:.0f} s")
+    flops_per_sample = train_flops_per_sample(model, shape.seq_len)
+    log(f"objective {args.objective} {asdict(weights)}, attention {attention}, batch {shape.batch_size} x "
+        f"{shape.seq_len}, {flops_per_sample / 1e9:.1f} GFLOP per sample")
     t0 = time.monotonic()
-    history: list[dict] = []
-    step, last_log, tokens_seen, skipped = 0, t0, 0, 0
+    stop_at = min(budget, total_s - done_s)
+    last_log, last_ckpt, skipped, window = t0, t0, 0, (t0, step)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
         "cpu", enabled=False)
     while True:
         elapsed = time.monotonic() - t0
-        progress = elapsed / budget
-        if progress >= 1.0 or (args.max_steps and step >= args.max_steps):
+        progress = (done_s + elapsed) / total_s
+        if elapsed >= stop_at or progress >= 1.0 or (args.max_steps and step >= args.max_steps):
             break
         lr = lr_at(progress, shape.lr, warmup)
         for group in opt.param_groups:
@@ -162,19 +200,30 @@ def train(args: argparse.Namespace) -> Path:
         now = time.monotonic()
         if now - last_log >= args.log_every_s or step == 1:
             last_log = now
-            row = {"skipped": skipped, "step": step, "elapsed_s": round(now - t0, 1), "lr": lr, "loss": float(out.total.detach()),
-                   "grad_norm": grad_norm, "tokens": tokens_seen, **out.parts}
+            w_t, w_steps = window
+            rate = (step - w_steps) * shape.batch_size / max(now - w_t, 1e-9)   # samples/s since the last line
+            window = (now, step)
+            row = {"skipped": skipped, "step": step, "elapsed_s": round(done_s + now - t0, 1), "lr": lr,
+                   "loss": float(out.total.detach()), "grad_norm": grad_norm, "tokens": tokens_seen,
+                   "tok_per_s": round(rate * shape.seq_len), "mfu": round(rate * flops_per_sample / H200_BF16_PEAK, 4),
+                   **out.parts}
             history.append(row)
             log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        if ckpt and args.checkpoint_every_s and now - last_ckpt >= args.checkpoint_every_s:
+            last_ckpt = now
+            save_checkpoint(ckpt, model, opt, done_s + now - t0, step, tokens_seen, history)
     train_s = time.monotonic() - t0
-    log(f"trained {step} steps, {tokens_seen / 1e6:.1f}M tokens in {train_s:.0f}s "
-        f"({tokens_seen / max(train_s, 1e-9) / 1e6:.2f}M tok/s)")
+    log(f"trained {step} steps, {tokens_seen / 1e6:.1f}M tokens in {train_s:.0f}s this command "
+        f"({tokens_seen / max(done_s + train_s, 1e-9) / 1e6:.2f}M tok/s overall, {done_s + train_s:.0f} of {total_s:.0f} s)")
+    if ckpt:
+        save_checkpoint(ckpt, model, opt, done_s + train_s, step, tokens_seen, history)
 
     held = evaluate_masked_loss(model, data, shape, weights, words, word_mask, attend_mask, device, args.seed)
     log(f"held-out masked-token loss {held:.4f}")
     out_dir = Path(args.out)
     write_bundle(model, data, out_dir, {
-        "steps": step, "tokens": tokens_seen, "train_seconds": round(train_s, 1), "shape": asdict(shape),
+        "steps": step, "tokens": tokens_seen, "train_seconds": round(done_s + train_s, 1), "shape": asdict(shape),
+        "objective": args.objective, "loss_weights": asdict(weights), "attention": attention,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "seed": args.seed,
         "heldout_masked_loss": held, "skipped_steps": skipped, "history": history, "resumed_from": args.resume,
         "command": " ".join(["python -m train.train_steerling"] + sys.argv[1:])})
@@ -199,6 +248,17 @@ def evaluate_masked_loss(model, data, shape: Shape, weights: LossWeights, words,
             total += training_loss(model, batch, gen, no_steer, words, word_mask, attend_mask).parts["mdm"]
     model.train()
     return total / batches
+
+
+def save_checkpoint(ckpt: Path, model, opt, train_s: float, step: int, tokens: int, history: list) -> None:
+    """Weights (fp32) + optimizer + progress, for the next command (torch.save of tensors only;
+    read back with weights_only=True)."""
+    ckpt.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt / "state.pt.tmp"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "train_seconds": train_s,
+                "step": step, "tokens": tokens}, tmp)
+    tmp.replace(ckpt / "state.pt")
+    (ckpt / "history.json").write_text(json.dumps(history))
 
 
 SHARD_BYTES = 14 * 2**20   # each returned file of a GPU command is at most 16 MiB
@@ -230,6 +290,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="regionally compile the layers' pointwise parts")
     ap.add_argument("--resume", default=None, help="start from this bundle's weights")
+    ap.add_argument("--objective", choices=sorted(OBJECTIVES), default="v2")
+    ap.add_argument("--attention", choices=["sdpa", "flex"], default=None,
+                    help="sdpa with a dense mask, or compiled FlexAttention (default on CUDA)")
+    ap.add_argument("--checkpoint", default=None, help="directory: resume from its state.pt when present, "
+                    "save to it while training and at the end (weights + optimizer)")
+    ap.add_argument("--checkpoint-every-s", type=float, default=120.0)
+    ap.add_argument("--total-train-s", type=float, default=0.0,
+                    help="training seconds over all commands (the LR schedule's length; 0: this command's)")
     args = ap.parse_args(argv)
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
