@@ -14,9 +14,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# generous: a loaded 2-core box ran these 3-4x slower than an idle one (~60-90 s there)
+BENCH_TIMEOUT_S = 600
+
+
+def _bench(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run a bench CLI; on a timeout, fail with what it had printed (the values, not just the limit)."""
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError(f"{' '.join(cmd[2:4])}: still running after {BENCH_TIMEOUT_S} s\n"
+                             f"{out[-2000:]}\n{err[-3000:]}") from None
+
+
 def _run(module: str, out: Path, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", module, "--preset", "tiny", "--device", "cpu", "--out", str(out), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = _bench([sys.executable, "-m", module, "--preset", "tiny", "--device", "cpu", "--out", str(out), *args])
     assert proc.returncode == 0, f"{module}: rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())
 
@@ -186,8 +200,8 @@ def test_bucket_census_counts_the_keys_of_both_traffic_shapes(tmp_path):
     """bench.bucket_census on the tiny CPU engine: both shapes step, and staggered closed-loop
     arrivals reach buckets (fewer rows while users arrive) that the lockstep run never used."""
     out = tmp_path / "census.json"
-    subprocess.run([sys.executable, "-m", "bench.bucket_census", "--concurrency", "3", "--steps", "60",
-                    "--out", str(out)], cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
+    proc = _bench([sys.executable, "-m", "bench.bucket_census", "--concurrency", "3", "--steps", "60", "--out", str(out)])
+    assert proc.returncode == 0, f"bench.bucket_census: rc {proc.returncode}\n{proc.stderr[-3000:]}"
     (r,) = json.loads(out.read_text())["runs"]
     assert r["closed_loop_steps"] >= 60, r   # the arrivals' steps, then --steps more
     assert r["lockstep_keys"] and r["closed_loop_keys"], r

@@ -96,3 +96,27 @@ def test_concept_detection_reproduces_the_committed_figure(model):
     assert len(valid) >= 100, f"only {len(valid)} concepts have both classes on the slice"
     assert abs(macro - DETECTION_AUROC) <= DETECTION_TOLERANCE, \
         f"macro AUROC {macro:.4f} on the held-out slice; committed {DETECTION_AUROC} +- {DETECTION_TOLERANCE}"
+
+
+# Floors for the human-readable concepts' weight (the v2 bundle measures ~0.73 and 1.0 on the
+# H200 evaluation; v1 measured 0.001 and 0.0): attributions must name known concepts.
+KNOWN_SHARE_FLOOR = 0.3
+KNOWN_IN_TOP8_FLOOR = 0.8
+
+
+def test_known_concepts_carry_the_logit_of_generated_tokens(model, tokenizer):
+    """Fixed-seed generations through the serving engine: the known head's share of the absolute
+    logit mass of the committed tokens, and how many tokens list a known concept in their top 8."""
+    from cde.steerling.reference_decoder import DecodeOptions
+    from cde.steerling.sampling import SamplingParams
+    from train.eval_steerling import logit_mass, run_engine
+
+    prompts = ["Tell me a story about a fox.", "Write a story with a puffin in it.",
+               "What happened at the harbor?", "Describe a quiet village."]
+    reqs = [(f"d{i}", tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+             DecodeOptions(64, SamplingParams(), seed=5 + i, stop_ids=()), None) for i, p in enumerate(prompts)]
+    res = run_engine(model, reqs, tokenizer.vocab_size, max_slots=4)
+    mass = logit_mass(model, res)
+    assert mass["tokens"] >= 128, mass
+    assert mass["known_logit_share"] >= KNOWN_SHARE_FLOOR, mass
+    assert mass["known_in_top8_frac"] >= KNOWN_IN_TOP8_FLOOR, mass
