@@ -120,7 +120,8 @@ case "$stage" in
     # all (the LR schedule's length). The first command builds the corpus and times today's recipe
     # (objective v1, SDPA, batch 64) for 40 steps: the same-run throughput baseline. Every command
     # resumes /tmp/steerling-ckpt (weights + optimizer) while the machine is still warm, else the
-    # bundle named by RESUME (weights only). EVAL=quick|full evaluates the bundle it returns.
+    # bundle named by RESUME (weights only). EVAL=quick|full evaluates the bundle it returns;
+    # LOSS_WEIGHTS="--loss-weight steer_words=0.6 ..." overrides the objective's weights.
     data=/tmp/steerling-data; ckpt=/tmp/steerling-ckpt
     if [ ! -e "$ckpt/state.pt" ] && [ -z "${RESUME:-}" ]; then
       python3 -u -m train.train_steerling --out /tmp/probe-v1 --data "$data" --objective v1 --attention sdpa \
@@ -129,7 +130,7 @@ case "$stage" in
     fi
     python3 -u -m train.train_steerling --out "$OUT/steerling-small" --data "$data" --checkpoint "$ckpt" \
       --total-train-s "${TOTAL_TRAIN_S:-900}" --batch-size "${BATCH:-128}" --time-budget-s "${TRAIN_BUDGET_S:-400}" \
-      --data-budget-s 60 ${COMPILE:+--compile} ${RESUME:+--resume "$RESUME"} 2>&1 | grep -v Warning \
+      --data-budget-s 60 ${COMPILE:+--compile} ${RESUME:+--resume "$RESUME"} ${LOSS_WEIGHTS:-} 2>&1 | grep -v Warning \
       > "$OUT/train-steerling-small-$short.log" || true
     tail -n 4 "$OUT/train-steerling-small-$short.log"
     case "${EVAL:-}" in

@@ -148,6 +148,15 @@ def train(args: argparse.Namespace) -> Path:
     gen = torch.Generator(device=device).manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     weights = OBJECTIVES[args.objective]
+    if args.loss_weight:
+        over = {}
+        for item in args.loss_weight:
+            name, _, value = item.partition("=")
+            if name not in asdict(weights) or not value:
+                raise SystemExit(f"--loss-weight {item!r}: expected NAME=VALUE with NAME one of {sorted(asdict(weights))}")
+            kind = type(asdict(weights)[name])
+            over[name] = (value.lower() in ("1", "true")) if kind is bool else kind(value)
+        weights = LossWeights(**{**asdict(weights), **over})
     budget = args.time_budget_s - (time.monotonic() - started) - args.reserve_s
     if budget <= 0:
         raise SystemExit("no time left to train after loading the data")
@@ -291,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true", help="regionally compile the layers' pointwise parts")
     ap.add_argument("--resume", default=None, help="start from this bundle's weights")
     ap.add_argument("--objective", choices=sorted(OBJECTIVES), default="v2")
+    ap.add_argument("--loss-weight", action="append", default=[], metavar="NAME=VALUE",
+                    help="override one of the objective's LossWeights (repeatable), e.g. steer_words=0.6")
     ap.add_argument("--attention", choices=["sdpa", "flex"], default=None,
                     help="sdpa with a dense mask, or compiled FlexAttention (default on CUDA)")
     ap.add_argument("--checkpoint", default=None, help="directory: resume from its state.pt when present, "
