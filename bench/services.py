@@ -118,30 +118,31 @@ def summarize_load(lines: list[dict], concurrency: int) -> dict:
             "stream_tail_s": statistics.median(tails) if tails else None}
 
 
-def _internal_call(port: int, call):
-    """call(channel, metadata) on a loopback channel to an internal service (its token sent)."""
+def _internal_call(port: int, call, metadata=None):
+    """call(channel, metadata) on a loopback channel to an internal service, its token sent:
+    ``metadata`` (a launcher Stack's ``internal_metadata``), else $CDE_INTERNAL_TOKEN_FILE's."""
     import grpc
 
     from cde.rpc.internal_auth import token_metadata
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        return call(ch, token_metadata())
+        return call(ch, token_metadata() if metadata is None else metadata)
 
 
-def worker_status(port: int):
+def worker_status(port: int, metadata=None):
     """The worker's Info (steps, compiles, CUDA graphs captured so far, its timing sums)."""
     from cde.rpc.v1 import worker_pb2, worker_pb2_grpc
 
     return _internal_call(port, lambda ch, md: worker_pb2_grpc.WorkerStub(ch).Info(
-        worker_pb2.WorkerStatusRequest(), timeout=10, metadata=md))
+        worker_pb2.WorkerStatusRequest(), timeout=10, metadata=md), metadata)
 
 
-def scheduler_stats(port: int):
+def scheduler_stats(port: int, metadata=None):
     """The scheduler's Stats (its relay timing so far)."""
     from cde.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     return _internal_call(port, lambda ch, md: scheduler_pb2_grpc.SchedulerStub(ch).Stats(
-        scheduler_pb2.StatsRequest(), timeout=10, metadata=md))
+        scheduler_pb2.StatsRequest(), timeout=10, metadata=md), metadata)
 
 
 def scheduler_timing(before, after) -> dict:
@@ -318,14 +319,16 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
                    CDE_LOAD_MAX_TOKENS=str(args.new_tokens), CDE_LOAD_TOKEN_BOUND=str(bound))
         worker_port = next(svc.grpc_port for svc in stack.services if svc.name.startswith("worker"))
         scheduler_port = next(svc.grpc_port for svc in stack.services if svc.name == "scheduler")
+        md = stack.internal_metadata   # the stack's per-run internal token
         for c in concs:
             events = work / f"load-c{c}.jsonl"
             before, sched_before, gw_before, cpu_before, client0 = (
-                worker_status(worker_port), scheduler_stats(scheduler_port), gateway_ttfb(stack.base_url),
+                worker_status(worker_port, md), scheduler_stats(scheduler_port, md), gateway_ttfb(stack.base_url),
                 process_cpu(stack), children_cpu())
             processes = load_processes(c, args.load_processes)
             run_locust(stack.base_url, c, args.duration, events, env, args.stop_timeout, processes)
-            after, sched_after, gw_after, cpu_after = (worker_status(worker_port), scheduler_stats(scheduler_port),
+            after, sched_after, gw_after, cpu_after = (worker_status(worker_port, md),
+                                                       scheduler_stats(scheduler_port, md),
                                                        gateway_ttfb(stack.base_url), process_cpu(stack))
             client_cpu = children_cpu() - client0
             lines = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]

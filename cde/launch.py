@@ -15,6 +15,13 @@ next. Then it supervises: a service that dies is started again with the same com
 (after 1 s, doubling per recent restart up to 30 s; said on the launcher's output and in the
 service's log), so the failover the services implement works on a laptop too. It stops on
 Ctrl-C / SIGTERM, or when one service crash-loops (5 restarts within 60 s).
+
+Internal authentication is on by default: the launcher writes a fresh random token for this run
+to <run-dir>/internal_token (mode 0600, removed on exit) and gives every service its path in
+CDE_INTERNAL_TOKEN_FILE, so a process that does not hold it can neither register as a worker nor
+call the scheduler, the workers, steering or attribution (UNAUTHENTICATED). The launcher prints
+the file's path. An existing token file: --internal-token-file PATH (or CDE_INTERNAL_TOKEN_FILE
+set in the launcher's environment); the check off: --no-internal-token.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -35,6 +43,7 @@ from pathlib import Path
 
 from cde.model_family import CAUSAL, model_family
 from cde.redis_util import EmbeddedRedis, free_port
+from cde.rpc.internal_auth import TOKEN_FILE_ENV, TOKEN_MD, TokenError, load_token
 from cde.supervision import CRASH_LOOP_WINDOW_S, recent_restarts, restart_delay
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +53,9 @@ DEFAULT_MODEL = (ROOT / "models" / "steerling-small") if (ROOT / "models" / "ste
     else TINY_MODEL
 DEFAULT_HTTP_PORT = 8000    # the gateway's ports when free (compose publishes the same two)
 DEFAULT_GRPC_PORT = 50050
+# The scheduler's --detach-grace (scheduler_svc.service.DETACH_GRACE_S, the gateway's reattach
+# window): a stream cut by a gateway process's death leaves its request running this long for a Resume.
+DETACH_GRACE_S = 30.0
 
 
 def child_pids(pid: int) -> list[int]:
@@ -104,6 +116,9 @@ class Stack:
         self.causal = False
         self.services: list[Service] = []
         self.env: dict[str, str] = {}
+        self.internal_token: str | None = None        # what every internal call must carry (None: off)
+        self.internal_token_file: Path | None = None
+        self.made_token_file = False                   # this run's generated file (removed on stop)
 
     def log_tail(self, svc: Service, n: int = 30) -> str:
         try:
@@ -113,6 +128,7 @@ class Stack:
 
     def start(self) -> None:
         a = self.args
+        self.prepare_internal_token()
         redis_url = getattr(a, "redis_url", None) or os.environ.get("REDIS_URL")
         if not redis_url:
             self.redis = EmbeddedRedis(data_dir=self.run_dir / "redis", aof=True, appendfsync="everysec")
@@ -136,7 +152,9 @@ class Stack:
         attribution = [] if self.causal else ["--attribution", f"127.0.0.1:{p['attribution']}"]
         self.services = concepts + [
             Service("scheduler", py + ["scheduler_svc", "--host", "127.0.0.1", "--port", str(p["scheduler"]),
-                                       "--redis-url", redis_url, *attribution, *getattr(a, "scheduler_args", ())],
+                                       "--redis-url", redis_url, *attribution,
+                                       "--detach-grace", str(getattr(a, "detach_grace", DETACH_GRACE_S)),
+                                       *getattr(a, "scheduler_args", ())],
                     grpc_port=p["scheduler"]),
         ]
         # CPU workers on one machine split its cores: each with torch's default (all cores) they
@@ -154,13 +172,50 @@ class Stack:
             *getattr(a, "gateway_args", ())],
             http_port=p["gateway_http"], grpc_port=p["gateway_grpc"]))
         self.ports = p
-        self.env = env = dict(os.environ, PYTHONUNBUFFERED="1", REDIS_URL=redis_url)
+        self.env = env = self.service_env(REDIS_URL=redis_url)
         for svc in self.services:
             svc.log = self.run_dir / f"{svc.name}.log"
             svc.proc = subprocess.Popen(svc.args, cwd=ROOT, env=env, stdout=svc.log.open("wb"),
                                         stderr=subprocess.STDOUT, start_new_session=True)
             print(f"{svc.name:<10} pid {svc.proc.pid} log {svc.log}", flush=True)
         self.wait_healthy()
+
+    def prepare_internal_token(self) -> None:
+        """The internal token file every service gets in $CDE_INTERNAL_TOKEN_FILE: the one named
+        (--internal-token-file, else $CDE_INTERNAL_TOKEN_FILE), else a fresh one for this run;
+        none with --no-internal-token. TokenError for a named file that holds no valid token."""
+        a = self.args
+        if not getattr(a, "internal_token", True):
+            print("internal   token OFF (--no-internal-token): any local process may call the internal "
+                  "services and register as a worker", flush=True)
+            return
+        named = getattr(a, "internal_token_file", None) or os.environ.get(TOKEN_FILE_ENV) or None
+        if named:
+            path = Path(named).resolve()
+            self.internal_token = load_token(path)    # TokenError: missing, unreadable or too short
+            how = "given" + ("; WARNING: group/others may read it" if path.stat().st_mode & 0o077 else "")
+        else:
+            path = self.run_dir / "internal_token"
+            self.internal_token = secrets.token_urlsafe(32)   # 43 characters
+            write_secret(path, self.internal_token)
+            self.made_token_file = True
+            how = "generated for this run, mode 0600, removed on exit"
+        self.internal_token_file = path
+        print(f"internal   token file {path} ({how}; internal calls send it as {TOKEN_MD})", flush=True)
+
+    def service_env(self, **extra: str) -> dict[str, str]:
+        """The services' environment: ours, unbuffered output, ``extra``, and $CDE_INTERNAL_TOKEN_FILE
+        naming the token file of ``prepare_internal_token`` (removed when the check is off)."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+        env.pop(TOKEN_FILE_ENV, None)
+        if self.internal_token_file is not None:
+            env[TOKEN_FILE_ENV] = str(self.internal_token_file)
+        return env
+
+    @property
+    def internal_metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata for a call from this process to one of the stack's internal services."""
+        return ((TOKEN_MD, self.internal_token),) if self.internal_token else ()
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.args.timeout
@@ -223,12 +278,22 @@ class Stack:
                     svc.proc.kill()
         if self.redis is not None:
             self.redis.close()
+        if self.made_token_file and self.internal_token_file is not None:
+            self.internal_token_file.unlink(missing_ok=True)
         if self.owns_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.ports['gateway_http']}"
+
+
+def write_secret(path: Path, text: str) -> None:
+    """``text`` as a new file only its owner may read (0600 from the start, never wider)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
 
 
 def port_if_free(port: int) -> int:
@@ -280,7 +345,16 @@ def main() -> None:
                     help=f"gateway gRPC port (0 = {DEFAULT_GRPC_PORT} if free, else any)")
     ap.add_argument("--gateway-processes", type=int, default=1,
                     help="gateway processes sharing its two ports (> 1: a burst of requests is spread over them)")
+    ap.add_argument("--detach-grace", type=float, default=DETACH_GRACE_S,
+                    help="the scheduler's --detach-grace: seconds a request whose stream broke without the "
+                         f"client leaving (a gateway process died) waits for a Resume (default {DETACH_GRACE_S:g})")
     ap.add_argument("--run-dir", default=None)
+    tok = ap.add_mutually_exclusive_group()
+    tok.add_argument("--internal-token-file", default=None,
+                     help=f"the internal token every service requires (default: ${TOKEN_FILE_ENV} when set, "
+                          "else a random token generated for this run in <run-dir>/internal_token, mode 0600)")
+    tok.add_argument("--no-internal-token", dest="internal_token", action="store_false",
+                     help="no internal authentication: any local process may call the internal services")
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--demo", action="store_true", help="send one demo request once healthy")
     ap.add_argument("--exit", action="store_true", help="stop everything after the demo")
@@ -318,6 +392,8 @@ def main() -> None:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
+    except TokenError as e:   # --internal-token-file / $CDE_INTERNAL_TOKEN_FILE without a valid token
+        raise SystemExit(f"cde.launch: {e}") from None
     finally:
         print("stopping ...", flush=True)
         stack.stop()

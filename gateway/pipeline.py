@@ -9,8 +9,12 @@ contract, `ResolvedOptions` (resolved.proto): the seed (drawn here when the clie
 max_new_tokens, stop ids, every sampling value and the decoder (block diffusion or ISD), all final.
 This is the only place a default is chosen; the scheduler stores the options and the workers
 apply them as they are. `Pipeline.open` starts the scheduler stream and returns a
-`GenerationStream`; closing it cancels the scheduler call (that is how a client disconnect frees
-the request's KV pages).
+`GenerationStream`; closing it before the request ended (the client disconnected, a stop string
+matched) cancels the scheduler call and tells the scheduler the client left (`Scheduler.Detach`
+with the stream's `cde-attach-id`), which cancels the request at once and frees its KV pages.
+A scheduler stream that merely breaks, without that Detach (this gateway process died), leaves
+the request running for the scheduler's detach grace, so the client can Resume it on another
+gateway process.
 
 The gateway holds the request id, so a broken scheduler stream (scheduler restart, a Redis
 hiccup there) is reattached here, not by the client: `GenerationStream` re-Submits the same
@@ -31,6 +35,7 @@ import math
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,6 +137,10 @@ class Pipeline:
         self.backends = backends
         self.limits = limits
         self.metrics = metrics
+        # Stopping (SIGTERM): streams cut now did not lose their client by its own doing, so they
+        # send no Detach; the scheduler's grace leaves their clients time to Resume elsewhere.
+        self.closing = False
+        self._detaching: set[asyncio.Task] = set()
 
     # ---- validation + resolution ----------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -344,20 +353,44 @@ class Pipeline:
             t = client_remaining if t is None else min(t, client_remaining)
         return t
 
-    def _reattach(self, timeout: float | None, submit: scheduler_pb2.SubmitRequest | None) -> Reattach:
+    def _reattach(self, timeout: float | None, submit: scheduler_pb2.SubmitRequest | None,
+                  attach_id: str) -> Reattach:
         return Reattach(self.backends.scheduler, self.backends.scheduler_channel, submit,
-                        None if timeout is None else time.monotonic() + timeout, self.limits.reattach_s)
+                        None if timeout is None else time.monotonic() + timeout, self.limits.reattach_s,
+                        attach_id)
+
+    def detach(self, request_id: str, attach_id: str) -> None:
+        """Tell the scheduler (in the background) that the client of stream ``attach_id`` left."""
+        if self.closing or not request_id:
+            return
+        task = asyncio.get_running_loop().create_task(self._send_detach(request_id, attach_id))
+        self._detaching.add(task)
+        task.add_done_callback(self._detaching.discard)
+
+    async def _send_detach(self, request_id: str, attach_id: str) -> None:
+        try:
+            await self.backends.scheduler.Detach(scheduler_pb2.DetachRequest(request_id=request_id, attach_id=attach_id),
+                                                 timeout=self.limits.backend_timeout_s)
+        except grpc.aio.AioRpcError as e:   # the scheduler's detach grace cancels it later instead
+            log.warning("request %s: Detach failed (%s: %s)", request_id, e.code().name, e.details())
+
+    async def flush_detaches(self, timeout: float) -> None:
+        """Wait (bounded) for the Detaches in flight, before the channels close."""
+        if self._detaching:
+            await asyncio.wait(set(self._detaching), timeout=timeout)
 
     def open(self, prepared: Prepared, timer: RequestTimer | None = None,
              client_remaining: float | None = None) -> GenerationStream:
         timeout = self._timeout(client_remaining)
-        call = self.backends.scheduler.Submit(prepared.submit, timeout=timeout)
+        attach_id = uuid.uuid4().hex
+        call = self.backends.scheduler.Submit(prepared.submit, timeout=timeout, metadata=attach_metadata(attach_id))
         opened_at = time.perf_counter()
         self.metrics.prompt_tokens.labels(self.model.id).inc(prepared.prompt_tokens)
         return GenerationStream(call, BlockDetokenizer(self.model.tokenizer, prepared.submit.options.stop_ids),
                                 timer or self.metrics.request(), prepared.seed, prepared.prompt_tokens,
                                 isd=self.model.causal, request_id=prepared.submit.request_id,
-                                reattach=self._reattach(timeout, prepared.submit), opened_at=opened_at)
+                                reattach=self._reattach(timeout, prepared.submit, attach_id), opened_at=opened_at,
+                                attach_id=attach_id, on_detach=self.detach)
 
     def resume(self, req: common_pb2.ResumeRequest, client_remaining: float | None = None) -> GenerationStream:
         if not req.request_id:
@@ -366,11 +399,14 @@ class Pipeline:
         # already has: a character split across the resume point then decodes as it did in the
         # original stream (a fresh decoder would print U+FFFD for its tail bytes).
         timeout = self._timeout(client_remaining)
-        call = self.backends.scheduler.Resume(common_pb2.ResumeRequest(request_id=req.request_id), timeout=timeout)
+        attach_id = uuid.uuid4().hex
+        call = self.backends.scheduler.Resume(common_pb2.ResumeRequest(request_id=req.request_id), timeout=timeout,
+                                              metadata=attach_metadata(attach_id))
         return GenerationStream(call, BlockDetokenizer(self.model.tokenizer), self.metrics.request(), 0, 0,
                                 skip_through=req.after_block if req.HasField("after_block") else None,
                                 isd=self.model.causal, request_id=req.request_id,
-                                reattach=self._reattach(timeout, None))
+                                reattach=self._reattach(timeout, None, attach_id),
+                                attach_id=attach_id, on_detach=self.detach)
 
     # ---- unary ------------------------------------------------------------------------------
     async def cancel(self, request_id: str) -> common_pb2.CancelResponse:
@@ -440,6 +476,11 @@ class Pipeline:
 REATTACH_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
 REQUEST_ENDED_MD = "cde-request-ended"   # scheduler_svc.service.REQUEST_ENDED_MD
 REATTACH_BACKOFF_S = (0.05, 1.0)         # first and largest pause between attempts
+ATTACH_MD = "cde-attach-id"              # scheduler_svc.service.ATTACH_MD: names a stream for Detach
+
+
+def attach_metadata(attach_id: str) -> tuple[tuple[str, str], ...]:
+    return ((ATTACH_MD, attach_id),)
 
 
 def _request_ended(err: grpc.aio.AioRpcError) -> bool:
@@ -458,6 +499,7 @@ class Reattach:
     submit: scheduler_pb2.SubmitRequest | None      # None: a Resume stream (never re-Submitted)
     deadline: float | None                          # time.monotonic() the request's time runs out
     budget_s: float                                 # retrying without progress gives up after this
+    attach_id: str = ""                             # the stream's id, sent again on every new call
     attempts: int = 0
     failing_since: float | None = None
 
@@ -499,12 +541,13 @@ class Reattach:
 
     def call(self, request_id: str, accepted: bool, last_block: int | None) -> grpc.aio.UnaryStreamCall:
         left = self.time_left()
+        md = attach_metadata(self.attach_id) if self.attach_id else None
         if self.submit is not None and not accepted:   # maybe never created: the same Submit is idempotent
-            return self.scheduler.Submit(self.submit, timeout=left)
+            return self.scheduler.Submit(self.submit, timeout=left, metadata=md)
         req = common_pb2.ResumeRequest(request_id=request_id)
         if last_block is not None:
             req.after_block = last_block
-        return self.scheduler.Resume(req, timeout=left)
+        return self.scheduler.Resume(req, timeout=left, metadata=md)
 
 
 @dataclass
@@ -529,11 +572,14 @@ class GenerationStream:
     reattach: Reattach | None = None  # None: a broken scheduler stream is an error at once
     reattached: int = 0               # how many times the scheduler call was replaced
     opened_at: float | None = None    # perf_counter when the scheduler call was opened (cde.trace)
+    attach_id: str = ""               # this stream's `cde-attach-id` (its Detach names it)
+    on_detach: Callable[[str, str], None] | None = None   # (request id, attach id): the client left
     _accepted: bool = field(default=False)
     _last_block: int | None = field(default=None)   # last block index fed to the detokenizer
     _replayed_through: int | None = field(default=None)   # after a reattach: blocks we already had
     _primed_tokens: int = field(default=0)
     _closed: bool = field(default=False)
+    _ended: bool = field(default=False)   # the request's end was seen (Finished, or an error that ended it)
     # usage: characters of this response's text after each of its output tokens (the tokens'
     # bytes through their own UTF-8 decoder, primed like the detokenizer's on a Resume). Only a
     # stop string needs them, so the blocks' tokens wait in _uncounted until tokens_in_text asks
@@ -580,10 +626,12 @@ class GenerationStream:
             try:
                 ev = await self.call.read()
             except grpc.aio.AioRpcError as e:
-                if await self._reattach(e.code() in REATTACH_CODES and not _request_ended(e),
+                ended = _request_ended(e)
+                if await self._reattach(e.code() in REATTACH_CODES and not ended,
                                         f"{e.code().name}: {e.details()}"):
                     continue
                 self.done = True
+                self._ended = self._ended or ended or not self._accepted   # not accepted: nothing to detach from
                 raise from_rpc_error(e, "scheduler") from None
             if ev is grpc.aio.EOF:
                 if await self._reattach(True, "stream ended before Finished"):
@@ -657,7 +705,7 @@ class GenerationStream:
                 block_index=b.block_index, start=b.start, tokens=res.tokens, text=res.text,
                 token_attributions=b.token_attributions, chunk_attributions=b.chunk_attributions))
         if kind == "finished":
-            self.done = True
+            self.done = self._ended = True
             fin = common_pb2.Finished()
             fin.CopyFrom(ev.finished)
             fin.usage.prompt_tokens = fin.usage.prompt_tokens or self.prompt_tokens
@@ -686,7 +734,9 @@ class GenerationStream:
         self.close()
 
     def close(self) -> None:
-        """Cancel the scheduler call if it is still open (idempotent; safe from finally blocks)."""
+        """Cancel the scheduler call if it is still open (idempotent; safe from finally blocks).
+        Closed before the request ended, the client is gone: Detach tells the scheduler so (it
+        cancels the request unless another stream is attached)."""
         if self._closed:
             return
         self._closed = True
@@ -694,4 +744,6 @@ class GenerationStream:
         self.timer.metrics.in_flight.labels(self.timer.metrics.model).dec()
         if not self.call.done():
             self.call.cancel()
+        if not self._ended and self.on_detach is not None:
+            self.on_detach(self.request_id, self.attach_id)
 

@@ -97,6 +97,8 @@ class GatewayHandle:
         if self._stopped:
             return
         self._stopped = True
+        # streams cut by the stop send no Detach: the scheduler's grace lets their clients Resume elsewhere
+        self.pipeline.closing = True
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -108,6 +110,7 @@ class GatewayHandle:
                 await self._uvicorn_task
 
         await asyncio.gather(http_done(), *([self._grpc.stop(grace_s)] if self._grpc is not None else []))
+        await self.pipeline.flush_detaches(1.0)   # clients that left before the stop
         await self.pipeline.backends.close()
 
     async def wait(self) -> None:

@@ -1,6 +1,6 @@
 """CLI: python -m scheduler_svc [--host H] [--port P] [--redis-url URL | --redis-sentinels H:P,...
 --redis-sentinel-master NAME] [--attribution A[,B...] | --attribution-dns NAME:PORT] [--lease-ms MS]
-[--max-running N] [--max-queue N] [--finished-ttl S].
+[--max-running N] [--max-queue N] [--finished-ttl S] [--detach-grace S].
 
 Environment fallbacks: CDE_SCHEDULER_HOST, CDE_SCHEDULER_PORT, CDE_REDIS_URL (or REDIS_URL),
 CDE_REDIS_SENTINELS, CDE_REDIS_SENTINEL_MASTER, CDE_REDIS_WAIT_REPLICAS, CDE_REDIS_WAIT_MS,
@@ -16,7 +16,7 @@ import os
 
 from cde.redis_connect import add_redis_args
 from cde.rpc.serving import run_main
-from scheduler_svc.service import DEFAULT_PORT, serve
+from scheduler_svc.service import DEFAULT_PORT, DETACH_GRACE_S, serve
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,8 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heartbeat-ms", type=int, default=int(env("CDE_HEARTBEAT_MS", 1000)))
     ap.add_argument("--queue-timeout", type=float, default=float(env("CDE_QUEUE_TIMEOUT", 30)),
                     help="seconds a request waits for any worker before UNAVAILABLE")
-    ap.add_argument("--detach-grace", type=float, default=float(env("CDE_DETACH_GRACE", 0)),
-                    help="seconds a request outlives its last client stream (0: cancel at once)")
+    ap.add_argument("--detach-grace", type=float, default=float(env("CDE_DETACH_GRACE", DETACH_GRACE_S)),
+                    help="seconds a request outlives its last stream when that stream broke without the gateway's "
+                         f"Detach (a gateway process died), so its client can Resume; keep it >= the gateway's "
+                         f"--reattach-s (default {DETACH_GRACE_S:g}; 0: cancel at once). A client that left is "
+                         "cancelled at once either way")
     ap.add_argument("--redis-connections", type=int, default=int(env("CDE_REDIS_CONNECTIONS", 256)),
                     help="Redis connection pool size (callers wait for a free one, bounded)")
     ap.add_argument("--prefix", default=env("CDE_REDIS_PREFIX", "cde:"), help="Redis key prefix")

@@ -5,8 +5,10 @@ streams attached to it, and re-place it from its last committed block when its w
 A `RequestRun` is a task of its own, independent of any client stream: Submit and Resume
 streams *subscribe* to it. A subscriber first reads the stored blocks from Redis, then the
 live ones from its queue, skipping indices it already has; a block is stored before it
-is published, so nothing falls between the two. When the last subscriber leaves early
-the request is cancelled (after an optional grace period, so a client may reconnect).
+is published, so nothing falls between the two. When the last subscriber leaves early the
+request is cancelled: at once when its client said it left (`Detach`: the gateway's HTTP or
+gRPC client is gone), else after the detach grace, so that a client whose stream merely broke
+(its gateway process died) can Resume first.
 
 Everything needed to pick the request up again lives in Redis (scheduler_svc/state.py owns
 every key): the spec (scheduler_svc/spec.py: the SubmitRequest with the options the gateway
@@ -59,7 +61,7 @@ REQUEST_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FA
 class RunLimits:
     queue_timeout_s: float   # how long a request waits for any worker before UNAVAILABLE
     max_attempts: int        # lost/failed placements before a request fails
-    detach_grace_s: float    # after the last client stream leaves, before cancelling
+    detach_grace_s: float    # after the last stream breaks without a Detach, before cancelling
 
 
 @dataclass
@@ -110,9 +112,10 @@ class End:
 
 
 class Subscriber:
-    def __init__(self, steps: bool):
+    def __init__(self, steps: bool, attach_id: str = ""):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.steps = steps
+        self.attach_id = attach_id   # the stream's `cde-attach-id` (what a Detach names); "" = none
 
 
 class DeadlinePassed(Exception):
@@ -150,6 +153,7 @@ class RequestRun:
         self._last_worker: WorkerHandle | None = None
         self._just_created = False   # set by start(): see there
         self._placed = False         # sent to a worker once (RelayTiming counts the first time)
+        self._grace: asyncio.TimerHandle | None = None   # the detach grace running (no subscriber)
         stops = set(request.options.stop_ids)
         self.session = None
         if ctx.attribution is not None and request.attribution != common_pb2.ATTRIBUTION_NONE:
@@ -157,23 +161,59 @@ class RequestRun:
                                               request.attribution_top_k, stops, self._stored_blocks)
 
     # ---- subscribers --------------------------------------------------------------------------
-    def subscribe(self, steps: bool) -> Subscriber:
-        sub = Subscriber(steps)
+    def subscribe(self, steps: bool, attach_id: str = "") -> Subscriber:
+        sub = Subscriber(steps, attach_id)
         self.subscribers.add(sub)
+        if self._grace is not None:   # reattached within the grace
+            self._grace.cancel()
+            self._grace = None
         return sub
 
-    def unsubscribe(self, sub: Subscriber, client_gone: bool = True) -> None:
-        """``client_gone=False``: the stream failed on our side (e.g. a Redis error while
-        attaching), which must never cancel the request."""
+    def unsubscribe(self, sub: Subscriber, client_gone: bool = True, left: bool = False) -> None:
+        """A stream ended before the request did. ``client_gone=False``: it failed on our side
+        (e.g. a Redis error while attaching), which must never cancel the request. ``left``: its
+        client said it is gone for good (`detach`), so the last one leaving cancels at once;
+        otherwise the stream just broke (a gateway process died, or an old gateway that never
+        sends Detach) and the request waits the detach grace for a Resume before it is cancelled."""
+        if sub not in self.subscribers:   # detached already
+            return
         self.subscribers.discard(sub)
         if self.subscribers or self.done or self.ctx.closing() or not client_gone:
             return
         grace = self.ctx.limits.detach_grace_s
-        if grace <= 0:
+        if left or grace <= 0:
             self.cancel("client gone")
-        else:
-            asyncio.get_running_loop().call_later(
-                grace, lambda: None if self.subscribers else self.cancel("client gone"))
+            return
+        log.info("request %s: its last stream broke without a Detach; cancelling it in %gs unless a "
+                 "stream reattaches", self.rid, grace)
+        if self._grace is not None:
+            self._grace.cancel()
+        self._grace = asyncio.get_running_loop().call_later(grace, self._grace_over)
+
+    def _grace_over(self) -> None:
+        self._grace = None
+        if not self.subscribers and not self.done and not self.ctx.closing():
+            self.cancel("client gone (no stream reattached within the detach grace)")
+
+    def detach(self, attach_id: str) -> bool:
+        """The client of the stream ``attach_id`` left for good: that stream no longer counts, and
+        with no other stream attached the request is cancelled now (also when the stream itself
+        closed first and the grace is running). True when this cancelled the request."""
+        if self.done:
+            return False
+        sub = next((s for s in self.subscribers if attach_id and s.attach_id == attach_id), None)
+        if sub is not None:
+            self.unsubscribe(sub, left=True)
+            # its stream may still be open on our side (the Detach overtook its close): end it
+            sub.queue.put_nowait(End(code=grpc.StatusCode.CANCELLED, message="detached"))
+        elif not self.subscribers and not self.ctx.closing():
+            self.cancel("client gone")
+        if self.subscribers:
+            return False
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        return self._cancel_reason is not None
 
     def _publish(self, event: scheduler_pb2.SchedulerEvent, step: bool = False) -> None:
         for sub in self.subscribers:

@@ -6,6 +6,12 @@ A request id that already exists attaches to it instead (idempotent submit = Res
 the first block). Resume replays from Redis and then follows the live run. Workers
 register and heartbeat here (scheduler_svc/workers.py).
 
+Detach: a stream names itself with ``cde-attach-id`` metadata; when its client leaves for good
+the gateway sends Detach with that id, and the request is cancelled at once unless another
+stream is attached. A stream that ends without one (its gateway process died) leaves the
+request running for ``detach_grace_s`` (default DETACH_GRACE_S, the gateway's reattach window),
+so a client can Resume on another gateway process and lose nothing.
+
 Restart: the scheduler holds nothing Redis cannot rebuild. At start, and every
 ``sweep_s`` after, every queued request and every running one that no run of this
 instance streams is taken over (running ones go back to the queue first: their worker
@@ -53,6 +59,12 @@ REDIS_PING_TIMEOUT_S = 1.0
 # Trailing metadata on an error that ended the request itself (not a transport or Redis
 # hiccup): a client reattaching by itself must report it instead of retrying.
 REQUEST_ENDED_MD = "cde-request-ended"
+# Submit / Resume metadata: the stream's id, which a Detach names (gateway/pipeline.py sends both).
+ATTACH_MD = "cde-attach-id"
+# Seconds a request outlives its last stream when that stream broke without a Detach: at least
+# the gateway's reattach window (gateway --reattach-s, 30 s), so a client of a gateway process
+# that died, or the gateway itself, can Resume in time.
+DETACH_GRACE_S = 30.0
 
 
 @dataclass
@@ -68,7 +80,7 @@ class SchedulerOptions:
     dead_after: float = 3.0          # heartbeat intervals without a beat before a worker is dead
     queue_timeout_s: float = 30.0    # how long a request waits for any worker before UNAVAILABLE
     max_attempts: int = 8            # lost/failed placements before a request fails
-    detach_grace_s: float = 0.0      # after the last client stream leaves, before cancelling
+    detach_grace_s: float = DETACH_GRACE_S   # after the last stream breaks without a Detach, before cancelling
     # Redis connections: a bounded pool that makes a caller wait (up to redis_wait_s) for a
     # free connection instead of failing at once when a burst has them all in use
     redis_connections: int = 256
@@ -263,6 +275,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                 else "scheduler is starting (waiting for Redis)")
 
     @staticmethod
+    def _attach_id(context) -> str:
+        for k, v in context.invocation_metadata() or ():
+            if k == ATTACH_MD:
+                return v if isinstance(v, str) else v.decode(errors="replace")
+        return ""
+
+    @staticmethod
     async def _check_id(context, request_id: str) -> None:
         try:
             _check_id("request id", request_id)
@@ -294,7 +313,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             deadline = time.time() + remaining if remaining is not None else None
             run = core.new_run(req, deadline)
             core.runs[rid] = run   # no await since the admission check: the count stays exact
-            sub = run.subscribe(req.stream_steps)
+            sub = run.subscribe(req.stream_steps, self._attach_id(context))
             # A slot and a worker free now: create the request running there (one Redis round trip
             # to the worker instead of two: under a burst each one queues behind the others).
             placed = await run.place_now()
@@ -350,7 +369,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Accepted, stored blocks after ``after``, then live ones until the end."""
         core = self.core
         run = core.runs.get(rid)
-        sub = run.subscribe(steps) if run is not None and not run.done else None   # before reading Redis
+        attach_id = self._attach_id(context)
+        sub = run.subscribe(steps, attach_id) if run is not None and not run.done else None   # before reading Redis
         client_gone = False
         try:
             st = await core.store.get(rid)
@@ -374,7 +394,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 await asyncio.sleep(POLL_S)   # streamed elsewhere (another instance): follow Redis
                 run = core.runs.get(rid)
                 if run is not None and not run.done:
-                    sub = run.subscribe(steps)
+                    sub = run.subscribe(steps, attach_id)
                 st = await core.store.get(rid)
                 if st is None:
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid!r} expired")
@@ -409,6 +429,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if await self.core.store.get(rid) is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request {rid!r}")
         return common_pb2.CancelResponse(cancelled=await self.core.store.cancel(rid))
+
+    async def Detach(self, request, context):
+        """The client of the stream ``attach_id`` left: cancel now unless another stream is attached."""
+        await self._ready(context)
+        rid = request.request_id
+        await self._check_id(context, rid)
+        run = self.core.runs.get(rid)
+        if run is None or run.done:   # ended, or streamed by no run here: nothing waits on this stream
+            return common_pb2.CancelResponse(cancelled=False)
+        return common_pb2.CancelResponse(cancelled=run.detach(request.attach_id))
 
     # ---- workers ------------------------------------------------------------------------------------
     @_redis_guard

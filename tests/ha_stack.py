@@ -12,7 +12,6 @@ list differs.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -65,8 +64,8 @@ def ha_stack(run_dir: str | Path, *, schedulers: int = 2, workers: int = 2, attr
         stack.ports = {n: free_port() for n in names}
         stack.services = _services(str(Path(model_dir).resolve()), stack.ports, schedulers, workers, attributions,
                                    lease_ms, scheduler_args)
-        stack.env = dict(os.environ, PYTHONUNBUFFERED="1", CDE_REDIS_URL=stack.redis.url,
-                         REDIS_URL=stack.redis.url)
+        stack.prepare_internal_token()   # on, as the launcher has it: a fresh token per stack
+        stack.env = stack.service_env(CDE_REDIS_URL=stack.redis.url, REDIS_URL=stack.redis.url)
         for svc in stack.services:
             svc.log = stack.run_dir / f"{svc.name}.log"
             svc.proc = subprocess.Popen(svc.args, cwd=ROOT, env=stack.env, stdout=svc.log.open("wb"),

@@ -11,6 +11,11 @@ A module that needs other arguments defines its own ``stack`` fixture, which pyt
 ``running_stack`` always stops every process it started (also when start-up fails);
 ``restart_service`` starts a killed service again with its original command line, port
 and environment. Streams are read with bounded timeouts, never forever.
+
+The stack has the internal token on, as ``python -m cde.launch`` does by default (a fresh token
+per stack, ``stack.internal_token``): a test that calls the scheduler, a worker, steering or
+attribution itself sends it with ``internal_aio_channel(stack, port)``, ``worker_info(stack, port)``
+or ``metadata=stack.internal_metadata``; ``running_stack(..., internal_token=False)`` turns it off.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import redis
 
 from cde.launch import ROOT, TINY_MODEL, Service, Stack
 from cde.redis_util import free_port
+from cde.rpc.internal_auth import internal_channel
 from cde.rpc.v1 import common_pb2, generate_pb2, worker_pb2, worker_pb2_grpc
 
 MODEL = "steerling-tiny"
@@ -42,11 +48,13 @@ FINISHED_OK = ("stop", "length")   # finish reasons of a request that completed
 
 def stack_args(run_dir: str | os.PathLike, *, workers: int = 1, scheduler_args: Sequence[str] = (),
                gateway_args: Sequence[str] = (), redis_url: str | None = None,
-               timeout: float = 240.0, model_dir: str | os.PathLike = TINY_MODEL) -> argparse.Namespace:
+               timeout: float = 240.0, model_dir: str | os.PathLike = TINY_MODEL, internal_token: bool = True,
+               internal_token_file: str | os.PathLike | None = None) -> argparse.Namespace:
     return argparse.Namespace(model_dir=str(model_dir), device="cpu", workers=workers, host="127.0.0.1",
                               http_port=free_port(), run_dir=str(run_dir), timeout=timeout,
                               scheduler_args=list(scheduler_args), gateway_args=list(gateway_args),
-                              redis_url=redis_url)
+                              redis_url=redis_url, internal_token=internal_token,
+                              internal_token_file=str(internal_token_file) if internal_token_file else None)
 
 
 @contextlib.contextmanager
@@ -66,6 +74,26 @@ def running_stack(run_dir: str | os.PathLike, **kw) -> Iterator[Stack]:
 def stack(tmp_path_factory) -> Iterator[Stack]:
     with running_stack(tmp_path_factory.mktemp("stack")) as s:
         yield s
+
+
+class LauncherOutput:
+    """The launcher's stdout, read by a thread into a list (bounded waits on it)."""
+
+    def __init__(self, proc) -> None:
+        import threading
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc) -> None:
+        for line in proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def find(self, needle: str) -> str | None:
+        return next((l for l in list(self.lines) if needle in l), None)
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
 
 
 def print_log_tails(stack: Stack, lines: int = 40) -> None:
@@ -123,9 +151,16 @@ def healthy(stack: Stack, timeout: float = 30.0) -> None:
     wait_until(ok, timeout, 0.2, "gateway /health 200")
 
 
-def worker_info(port: int, timeout: float = 2.0) -> worker_pb2.WorkerStatus:
+def worker_info(stack: Stack, port: int, timeout: float = 2.0) -> worker_pb2.WorkerStatus:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.WorkerStatusRequest(), timeout=timeout)
+        return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.WorkerStatusRequest(), timeout=timeout,
+                                                   metadata=stack.internal_metadata)
+
+
+def internal_aio_channel(stack: Stack, port: int, options: Sequence[tuple] | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to one of the stack's internal services (loopback) that sends the
+    stack's internal token (none when the stack runs without one)."""
+    return internal_channel(f"127.0.0.1:{port}", options=options, token=stack.internal_token or "")
 
 
 def chat_body(seed: int, max_tokens: int, stream: bool = True, content: str = PROMPT, **extra) -> dict:

@@ -235,7 +235,7 @@ def test_causal_worker_killed_mid_generation_greedy_requests_finish_identically(
                 while sum(1 for r in results if len(r.blocks) >= 2) < len(results) // 2:
                     assert time.monotonic() < deadline and not all(t.done() for t in tasks), "no chunks arrived"
                     await asyncio.sleep(0.002)
-                infos = await asyncio.to_thread(lambda: [(w, worker_info(w.grpc_port)) for w in workers(stack)])
+                infos = await asyncio.to_thread(lambda: [(w, worker_info(stack, w.grpc_port)) for w in workers(stack)])
                 victim, vinfo = max(infos, key=lambda x: x[1].running)
                 await asyncio.to_thread(kill, victim)
                 await asyncio.wait_for(asyncio.gather(*tasks), 90)

@@ -312,6 +312,10 @@ class Scheduler(scheduler_pb2_grpc.SchedulerServicer):
         _called("Scheduler", "Cancel")
         return common_pb2.CancelResponse(cancelled=False)
 
+    async def Detach(self, request, context):
+        _called("Scheduler", "Detach")
+        return common_pb2.CancelResponse(cancelled=request.attach_id == "a1")
+
     async def RegisterWorker(self, request, context):
         _called("Scheduler", "RegisterWorker")
         self.workers[request.worker_id] = request
@@ -475,6 +479,7 @@ def test_every_rpc_through_the_generated_stubs():
             resumed = [e async for e in sched.Resume(common_pb2.ResumeRequest(request_id="r1", after_block=4))]
             assert resumed[0].block.block_index == 5
             assert not (await sched.Cancel(common_pb2.CancelRequest(request_id="r1"))).cancelled
+            assert (await sched.Detach(scheduler_pb2.DetachRequest(request_id="r1", attach_id="a1"))).cancelled
             info = scheduler_pb2.WorkerInfo(worker_id="w0", address="127.0.0.1:1", model="tiny", kv_pages_total=8,
                                             kv_pages_free=8)
             with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -154,7 +154,7 @@ def test_sigterm_drains_a_worker_and_every_request_finishes(stack, report):
             tasks = [asyncio.create_task(stream_rest(c, url, chat_body(70 + i, 320), r)) for i, r in enumerate(early)]
             deadline = time.monotonic() + 120
             while True:   # SIGTERM once w0 decodes some of them and blocks are flowing
-                info = await asyncio.to_thread(worker_info, port)
+                info = await asyncio.to_thread(worker_info, stack, port)
                 if info.running >= 1 and any(r.blocks for r in early):
                     break
                 assert time.monotonic() < deadline and not all(t.done() for t in tasks), "w0 never ran a request"

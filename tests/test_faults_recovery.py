@@ -37,9 +37,9 @@ from cde.rpc.v1 import (attribution_pb2, common_pb2, generate_pb2, generate_pb2_
                         scheduler_pb2_grpc, steering_pb2_grpc, worker_pb2, worker_pb2_grpc)
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Limits, ModelCard, Pipeline
-from tests.stack_fixture import (FINISHED_OK, MODEL, GrpcStream, StreamResult, all_alive, chat_body, contiguous,
-                                 grpc_request, kill, restart_service, running_stack, service, stream_rest, wait_until,
-                                 workers)
+from tests.stack_fixture import (FINISHED_OK, MODEL, GrpcStream, LauncherOutput, StreamResult, all_alive, chat_body,
+                                 contiguous, grpc_request, internal_aio_channel, kill, restart_service, running_stack,
+                                 service, stream_rest, wait_until, workers)
 
 REPORT_TAG = "fault"
 
@@ -112,7 +112,7 @@ def test_burst_straight_at_the_scheduler_is_refused_by_admission_not_by_redis(tm
 
         async def run():
             template = await _submit_request(4242, 8)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{sport}") as ch:
+            async with internal_aio_channel(stack, sport) as ch:
                 stub = scheduler_pb2_grpc.SchedulerStub(ch)
 
                 async def one(i: int) -> str:
@@ -176,7 +176,7 @@ def test_resume_during_a_redis_outage_leaves_the_request_running_and_health_foll
         async def scenario(seed: int):
             submit = await _submit_request(seed, 900)
             rid = submit.request_id
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{sport}") as ch:
+            async with internal_aio_channel(stack, sport) as ch:
                 first = GrpcStream(request_id=rid)
                 call = scheduler_pb2_grpc.SchedulerStub(ch).Submit(submit, timeout=120)
                 await asyncio.wait_for(_read_blocks(call, first, until_blocks=1), 60)
@@ -196,7 +196,7 @@ def test_resume_during_a_redis_outage_leaves_the_request_running_and_health_foll
             # Redis goes away (graceful: the AOF keeps every acknowledged write)
             await asyncio.to_thread(stack.redis.stop)
             t_down = time.monotonic()
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{sport}") as ch:
+            async with internal_aio_channel(stack, sport) as ch:
                 stub = scheduler_pb2_grpc.SchedulerStub(ch)
                 with pytest.raises(grpc.aio.AioRpcError) as failed:
                     await asyncio.wait_for(_read_blocks(stub.Resume(common_pb2.ResumeRequest(request_id=rid),
@@ -331,7 +331,8 @@ def test_scheduler_restart_is_only_latency_for_rest_and_grpc_clients(tmp_path, r
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
-    """A stack with the internal token on: (stack, token)."""
+    """A stack whose internal token is ours (a file named by CDE_INTERNAL_TOKEN_FILE in the
+    launcher's environment, which the launcher uses instead of generating one): (stack, token)."""
     root = tmp_path_factory.mktemp("secured")
     token_file = root / "internal_token"
     token = uuid.uuid4().hex + uuid.uuid4().hex
@@ -339,6 +340,7 @@ def secured(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(TOKEN_FILE_ENV, str(token_file))
         with running_stack(root / "stack", workers=1) as stack:
+            assert stack.internal_token == token, "the launcher did not take the named token file"
             yield stack, token
 
 
@@ -445,30 +447,9 @@ def test_two_runs_of_the_same_seeded_request_give_identical_json(secured, report
            f"attributions")
 
 
-
 # =========================================================================================
 # 6. the local launcher supervises: a dead worker is restarted, its requests finish elsewhere
 # =========================================================================================
-
-class LauncherOutput:
-    """The launcher's stdout, read by a thread into a list (bounded waits on it)."""
-
-    def __init__(self, proc) -> None:
-        import threading
-        self.lines: list[str] = []
-        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
-        self._thread.start()
-
-    def _read(self, proc) -> None:
-        for line in proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def find(self, needle: str) -> str | None:
-        return next((l for l in list(self.lines) if needle in l), None)
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
 
 @pytest.mark.fault
 def test_launcher_restarts_a_killed_worker_and_its_requests_finish_elsewhere(tmp_path, report):

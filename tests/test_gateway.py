@@ -54,10 +54,14 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.mode = "ok"  # ok | exhausted | not_found | slow | error
         self.workers = 1
         self.submits: list[scheduler_pb2.SubmitRequest] = []
+        self.attach_ids: list[str] = []   # each Submit's cde-attach-id metadata
+        self.detaches: list[scheduler_pb2.DetachRequest] = []
         self.cancelled = threading.Event()
+        self.detached = threading.Event()
 
     async def Submit(self, request, context):
         self.submits.append(request)
+        self.attach_ids.append(dict(context.invocation_metadata() or ()).get("cde-attach-id", ""))
         if self.mode == "exhausted":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full",
                                 trailing_metadata=(("retry-after-ms", "1500"),))
@@ -104,6 +108,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         yield scheduler_pb2.SchedulerEvent(finished=common_pb2.Finished(reason=common_pb2.FINISH_REASON_STOP))
 
     async def Cancel(self, request, context):
+        return common_pb2.CancelResponse(cancelled=True)
+
+    async def Detach(self, request, context):
+        self.detaches.append(request)
+        self.detached.set()
         return common_pb2.CancelResponse(cancelled=True)
 
     async def Stats(self, request, context):
@@ -521,12 +530,21 @@ def test_engine_error_is_500_or_an_in_band_error_event(client: httpx.Client, sta
 
 @pytest.mark.e2e
 def test_client_disconnect_cancels_the_scheduler_call(gw: GatewayHandle, client: httpx.Client, stack: Stack) -> None:
+    # a request that finished sends no Detach
+    assert completion(client).status_code == 200
+    assert not stack.scheduler.detached.wait(0.3), stack.scheduler.detaches
     stack.scheduler.mode = "slow"
     with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True}) as r:
         for line in r.iter_lines():
             if '"block_index"' in line:
                 break
     assert stack.scheduler.cancelled.wait(5), "scheduler call still running after the client left"
+    # ... and says that its client left (the scheduler cancels at once, no detach grace)
+    assert stack.scheduler.detached.wait(5), "no Detach after the client left"
+    (d,) = stack.scheduler.detaches
+    sub = stack.scheduler.submits[-1]
+    assert d.request_id == sub.request_id and d.attach_id == stack.scheduler.attach_ids[-1] != "", \
+        (d, sub.request_id, stack.scheduler.attach_ids)
     deadline = time.monotonic() + 5
     while "cde:gateway_requests_in_flight{model_name=\"steerling-tiny\"} 0.0" not in client.get("/metrics").text:
         assert time.monotonic() < deadline

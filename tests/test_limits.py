@@ -30,7 +30,7 @@ from cde.rpc import channel_options, resolved
 from cde.rpc.v1 import (common_pb2, generate_pb2, generate_pb2_grpc, resolved_pb2, steering_pb2, steering_pb2_grpc,
                         worker_pb2, worker_pb2_grpc)
 from cde.steerling.config import SteerlingConfig
-from tests.stack_fixture import running_stack, service
+from tests.stack_fixture import internal_aio_channel, running_stack, service
 
 CFG = SteerlingConfig.load(DEFAULT_MODEL)
 N_LAYERS, BLOCK = CFG.n_layers, CFG.diff_block_size
@@ -382,7 +382,7 @@ def test_public_grpc_and_steering_svc_apply_the_same_bounds(stack) -> None:
     async def main() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.ports['gateway_grpc']}",
                                              options=channel_options()) as gch, \
-                grpc.aio.insecure_channel(f"127.0.0.1:{stack.ports['steering']}", options=channel_options()) as sch:
+                internal_aio_channel(stack, stack.ports['steering'], options=channel_options()) as sch:
             gen, steering = generate_pb2_grpc.GenerationStub(gch), steering_pb2_grpc.SteeringStub(sch)
             extra_strength = [("strength max", L.STRENGTH_MAX, None),
                               ("strength above", above32(L.STRENGTH_MAX), "strength")]
@@ -457,8 +457,8 @@ def test_worker_applies_the_same_bounds(stack) -> None:
     sampling, decode, stop ids and prepared steering (inject_layer, cutoff) from the real steering_svc."""
     async def main() -> None:
         port = service(stack, "worker0").grpc_port
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as wch, \
-                grpc.aio.insecure_channel(f"127.0.0.1:{stack.ports['steering']}", options=channel_options()) as sch:
+        async with internal_aio_channel(stack, port, options=channel_options()) as wch, \
+                internal_aio_channel(stack, stack.ports['steering'], options=channel_options()) as sch:
             worker = worker_pb2_grpc.WorkerStub(wch)
             prepared = await steering_pb2_grpc.SteeringStub(sch).BuildSteering(steering_pb2.BuildSteeringRequest(
                 steering=steering_request(schedule=common_pb2.STEERING_SCHEDULE_HARD_CUTOFF)), timeout=TIMEOUT)

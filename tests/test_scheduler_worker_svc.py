@@ -35,7 +35,7 @@ from cde.rpc.v1 import (attribution_pb2, attribution_pb2_grpc, common_pb2, resol
 from cde.steerling.loading import load_model
 from cde.steerling.reference_decoder import DecodeOptions, clean_output, generate, terminal_ids
 from cde.steerling.sampling import SamplingParams
-from scheduler_svc.service import SchedulerOptions, start_scheduler
+from scheduler_svc.service import ATTACH_MD, SchedulerOptions, start_scheduler
 from scheduler_svc.state import RequestStore
 from tests.redis_fixture import flush
 from worker_svc.engine.steerling_engine import BlockEvent, SteerlingEngine
@@ -393,10 +393,12 @@ def test_scheduler_restart_resumes_from_redis(redis_server):
 def test_client_disconnect_and_deadline_cancel(redis_server):
     async def body():
         async with cluster(redis_server.url) as c:
-            call = c.stub.Submit(submit_request("gone", prompt_of(20), 500, 0))
+            # the gateway's way: the stream names itself, and Detach says its client left
+            call = c.stub.Submit(submit_request("gone", prompt_of(20), 500, 0), metadata=((ATTACH_MD, "s1"),))
             assert (await call.read()).HasField("accepted")
             assert (await call.read()).HasField("block")
             call.cancel()
+            await c.stub.Detach(scheduler_pb2.DetachRequest(request_id="gone", attach_id="s1"))
             engine = c.workers[0].front.engine
             for _ in range(100):
                 st = await c.store.get("gone")
@@ -414,6 +416,68 @@ def test_client_disconnect_and_deadline_cancel(redis_server):
                 await asyncio.sleep(0.05)
             assert (await c.store.get("late")).status == "cancelled"
     run(body)
+
+
+async def wait_status(store: RequestStore, rid: str, want: str, timeout: float) -> str:
+    st = None
+    for _ in range(int(timeout / 0.05)):
+        st = (await store.get(rid)).status
+        if st == want:
+            break
+        await asyncio.sleep(0.05)
+    return st
+
+
+def test_a_stream_that_breaks_without_detach_waits_the_grace_for_a_resume(redis_server):
+    """A stream that just breaks (its gateway process died: no Detach) leaves the request running
+    for the detach grace: a Resume within it gets the rest, identical to the reference; with no
+    Resume it is cancelled once the grace is over. A Detach cancels at once, but only when no
+    other stream is attached."""
+    grace, prompt, max_new, k, seed = 2.0, prompt_of(20), 320, 1, 5
+
+    async def body():
+        async with cluster(redis_server.url, detach_grace_s=grace) as c:
+            call = c.stub.Submit(submit_request("orphan", prompt, max_new, seed, k), metadata=((ATTACH_MD, "a"),))
+            head = [await call.read(), await call.read()]
+            assert head[1].HasField("block"), head
+            call.cancel()   # no Detach
+            await asyncio.sleep(grace / 2)
+            st = (await c.store.get("orphan")).status
+            assert st in ("running", "finished"), st
+            rest = await collect(c.stub.Resume(common_pb2.ResumeRequest(
+                request_id="orphan", after_block=head[1].block.block_index), metadata=((ATTACH_MD, "b"),)))
+            assert_matches_reference(head + rest[1:], prompt, max_new, k, seed)
+            assert (await c.store.get("orphan")).status == "finished"
+
+            # nobody reattaches: cancelled after the grace, not before
+            call = c.stub.Submit(submit_request("left", prompt_of(20, 7), 900, 1), metadata=((ATTACH_MD, "c"),))
+            assert (await call.read()).HasField("accepted") and (await call.read()).HasField("block")
+            call.cancel()
+            t0 = asyncio.get_running_loop().time()
+            await asyncio.sleep(grace * 0.6)
+            assert (await c.store.get("left")).status == "running", "cancelled before the detach grace was over"
+            assert await wait_status(c.store, "left", "cancelled", grace + 5) == "cancelled"
+            waited = asyncio.get_running_loop().time() - t0
+            assert grace * 0.9 <= waited < grace + 5, waited
+
+            # two streams: the first one's Detach leaves the request to the second; the second's cancels it
+            call = c.stub.Submit(submit_request("two", prompt_of(20, 7), 900, 1), metadata=((ATTACH_MD, "x"),))
+            assert (await call.read()).HasField("accepted") and (await call.read()).HasField("block")
+            other = c.stub.Resume(common_pb2.ResumeRequest(request_id="two"), metadata=((ATTACH_MD, "y"),))
+            assert (await other.read()).HasField("accepted")
+            call.cancel()
+            got = await c.stub.Detach(scheduler_pb2.DetachRequest(request_id="two", attach_id="x"))
+            assert not got.cancelled
+            await asyncio.sleep(0.3)
+            st = (await c.store.get("two")).status
+            assert st == "running", f"after the first stream's Detach, with another attached: {st}"
+            got = await c.stub.Detach(scheduler_pb2.DetachRequest(request_id="two", attach_id="y"))
+            assert got.cancelled
+            assert await wait_status(c.store, "two", "cancelled", 5) == "cancelled"
+            with pytest.raises(grpc.aio.AioRpcError):   # the detached stream was ended by the scheduler
+                await asyncio.wait_for(collect(other), 5)
+            other.cancel()
+    run(body, refs=[(tuple(prompt), max_new, k, seed)])
 
 
 def test_bad_input_is_invalid_argument(redis_server):

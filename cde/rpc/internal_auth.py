@@ -7,8 +7,8 @@ least 32 characters; compose mounts ``./secrets/internal_token``), every cde ser
 a ``cde.v1`` call without ``x-cde-internal-token: <token>`` metadata (UNAUTHENTICATED), and
 every internal client channel (`internal_channel`) sends it. Left out of the check: the
 health service (compose/Kubernetes probes), reflection, and the public ``cde.v1.Generation``
-(the gateway's API keys guard that one). Unset: no check (the local launcher binds loopback
-only). mTLS is the alternative where the deployment provides certificates; see
+(the gateway's API keys guard that one). Unset: no check. The local launcher (`cde.launch`)
+sets it by default to a token it generates for each run (``--no-internal-token``: unset). mTLS is the alternative where the deployment provides certificates; see
 docs/ARCHITECTURE.md "Failure behaviour".
 """
 

@@ -27,6 +27,14 @@ class SubmitRequest(_message.Message):
     stream_steps: bool
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., options: _Optional[_Union[_resolved_pb2.ResolvedOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.AttributionMode, str]] = ..., attribution_top_k: _Optional[int] = ..., stream_steps: bool = ...) -> None: ...
 
+class DetachRequest(_message.Message):
+    __slots__ = ("request_id", "attach_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    attach_id: str
+    def __init__(self, request_id: _Optional[str] = ..., attach_id: _Optional[str] = ...) -> None: ...
+
 class SchedulerEvent(_message.Message):
     __slots__ = ("accepted", "step", "block", "finished")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]

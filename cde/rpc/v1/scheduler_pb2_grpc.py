@@ -55,6 +55,11 @@ class SchedulerStub(object):
                 request_serializer=cde_dot_v1_dot_common__pb2.CancelRequest.SerializeToString,
                 response_deserializer=cde_dot_v1_dot_common__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.Detach = channel.unary_unary(
+                '/cde.v1.Scheduler/Detach',
+                request_serializer=cde_dot_v1_dot_scheduler__pb2.DetachRequest.SerializeToString,
+                response_deserializer=cde_dot_v1_dot_common__pb2.CancelResponse.FromString,
+                _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
                 '/cde.v1.Scheduler/RegisterWorker',
                 request_serializer=cde_dot_v1_dot_scheduler__pb2.WorkerInfo.SerializeToString,
@@ -95,6 +100,17 @@ class SchedulerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detach(self, request, context):
+        """A stream's client left for good (an HTTP client gone, a public gRPC call cancelled, a stop
+        string matched): the request is cancelled now unless another stream is still attached. A
+        Submit or Resume stream names itself with `cde-attach-id` metadata; Detach names the same
+        id. A stream that just breaks without a Detach (its gateway process died) is given the
+        scheduler's --detach-grace to be resumed before the request is cancelled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterWorker(self, request, context):
         """Workers announce themselves at start and then heartbeat; a worker whose heartbeats
         stop is dropped and its requests are re-placed from their last committed block.
@@ -131,6 +147,11 @@ def add_SchedulerServicer_to_server(servicer, server):
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
                     request_deserializer=cde_dot_v1_dot_common__pb2.CancelRequest.FromString,
+                    response_serializer=cde_dot_v1_dot_common__pb2.CancelResponse.SerializeToString,
+            ),
+            'Detach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detach,
+                    request_deserializer=cde_dot_v1_dot_scheduler__pb2.DetachRequest.FromString,
                     response_serializer=cde_dot_v1_dot_common__pb2.CancelResponse.SerializeToString,
             ),
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
@@ -229,6 +250,33 @@ class Scheduler(object):
             target,
             '/cde.v1.Scheduler/Cancel',
             cde_dot_v1_dot_common__pb2.CancelRequest.SerializeToString,
+            cde_dot_v1_dot_common__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cde.v1.Scheduler/Detach',
+            cde_dot_v1_dot_scheduler__pb2.DetachRequest.SerializeToString,
             cde_dot_v1_dot_common__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
