@@ -11,7 +11,21 @@ their pages, then attend over the pages they may see.
   query's. On CUDA in bf16/fp16 both go through `paged_attention`, which reads the pages in place.
 * Everything else (CPU, fp32/fp64, no Triton, or a kernel that failed to build on its first
   call: switched off with one warning): gather the row's pages and run SDPA with an additive
-  mask (the exact path the CPU tests compare with the reference decoders).
+  mask (the exact path the CPU tests compare with the reference decoders). On the CPU a
+  Steerling row attends alone over exactly its `n_visible` keys (`_RowSdpa`), so its result is
+  the same to the bit whatever else is in the step (below).
+
+Batch invariance on the CPU (`_RowSdpa`): gathered into one SDPA call, every row's keys are
+padded to the step's page bucket (the longest row's), and how the CPU SDPA kernel blocks its
+sums follows the key length (torch 2.13: a row with 200 visible keys padded to 256 and to 512
+differs by ~2e-7; from 512 on the results agree), so the same row rounded differently when a
+longer request shared its step, or when a replayed request's prefill wrote its K/V: identical
+tokens, concept records (hence attributions) off by an ulp that the following layers and blocks
+spread (issue 33). One SDPA call per row over its own visible keys (no mask:
+a block row's queries all see keys 0 .. n_visible - 1) has no padding to depend on. The
+GEMMs around attention take the step's rows at once; the CPU BLAS computes a row of a
+(>= 8)-row product the same way whatever the row count or the row's place
+(`tests/test_batch_invariance.py` checks the whole engine's records alone and in company).
 
 Why in place: gathering each row's pages into a contiguous (rows, kv_heads, pages*64, head_dim)
 copy costs two gathers, the SDPA launch and its mask per layer, and grows with the context
@@ -463,12 +477,36 @@ class BlockKernelUse(KernelUse):
         return self._guarded(_write_and_attend, q, k, v, kc, vc, write_page, pages, n_visible)
 
 
+class _RowSdpa:
+    """CPU: attention of each Steerling row alone over exactly its visible keys (0 .. n_visible
+    - 1, all of them visible to every query of the row, so no mask): a row's result depends on
+    its own queries and keys only, never on the step's page bucket or its other rows (the
+    module docstring says why the batched call did). Host values, so never inside a CUDA graph."""
+
+    def __init__(self, kv: KVCache, pages: Tensor, n_visible: Tensor):
+        self.kv = kv
+        page = kv.page
+        self.rows = [(pages[i, : -(-n // page)], n) for i, n in enumerate(n_visible.tolist())]
+
+    def __call__(self, layer: int, q: Tensor) -> Tensor:
+        kc, vc = self.kv.k[layer], self.kv.v[layer]                           # (pages, 64, KV, hd)
+        n_kv, hd = kc.shape[2], kc.shape[3]
+        out = torch.empty_like(q)                                             # (R, H, 64, hd)
+        for i, (pages, n) in enumerate(self.rows):
+            keys = kc.index_select(0, pages).view(-1, n_kv, hd)[:n].transpose(0, 1)[None]
+            vals = vc.index_select(0, pages).view(-1, n_kv, hd)[:n].transpose(0, 1)[None]
+            out[i] = F.scaled_dot_product_attention(q[i:i + 1], keys.to(q.dtype), vals.to(q.dtype),
+                                                    enable_gqa=True)[0]
+        return out
+
+
 def block_rows_attend(kv: KVCache, write_page: Tensor, pages: Tensor, n_visible: Tensor,
                       kernel: BlockKernelUse | None = None) -> AttendFn:
     """Steerling rows: each row's block K/V goes to its page `write_page`; it sees keys
     0 .. n_visible - 1 of its page table (block-causal). With `kernel` (CUDA, bf16/fp16) the
-    pages are read in place; else (or once it failed to build) gather + SDPA."""
-    sdpa: _GatheredSdpa | None = None
+    pages are read in place; else (or once it failed to build) gather + SDPA: on the CPU one
+    call per row over its own keys (`_RowSdpa`: batch invariant), elsewhere one masked call."""
+    sdpa: _GatheredSdpa | _RowSdpa | None = None
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         nonlocal sdpa
@@ -480,8 +518,11 @@ def block_rows_attend(kv: KVCache, write_page: Tensor, pages: Tensor, n_visible:
         kc.index_copy_(0, write_page, k.transpose(1, 2).to(kc.dtype))
         vc.index_copy_(0, write_page, v.transpose(1, 2).to(vc.dtype))
         if sdpa is None:   # the mask only where gather + SDPA runs
-            key_pos = torch.arange(pages.shape[1] * kv.page, device=pages.device)
-            sdpa = _GatheredSdpa(kv, pages, (key_pos[None, :] < n_visible[:, None])[:, None, None, :])  # (R,1,1,P*64)
+            if kc.device.type == "cpu":
+                sdpa = _RowSdpa(kv, pages, n_visible)
+            else:
+                key_pos = torch.arange(pages.shape[1] * kv.page, device=pages.device)
+                sdpa = _GatheredSdpa(kv, pages, (key_pos[None, :] < n_visible[:, None])[:, None, None, :])  # (R,1,1,P*64)
         return sdpa(layer, q)
 
     return attend
