@@ -170,12 +170,14 @@ def steering_lift(model, data, prompts: list[str], concepts: list[int], new_toke
         {"res": res, "samples": samples}
 
 
+def host_lookups(model):
+    """`model_lookups` for the engine's records, which are on the host while the model may not be."""
+    dev = model.rope_cos.device
+    return tuple((lambda ids, f=f: f(ids.to(dev)).cpu()) for f in model_lookups(model))
+
+
 def attribution_hit_rate(model, data, results: dict) -> dict:
-    known_m, disc_m, lm_m = model_lookups(model)
-    dev = model.rope_cos.device         # the engine's records are on the host, the model maybe not
-    known_e = lambda ids: known_m(ids.to(dev)).cpu()   # noqa: E731
-    disc_e = lambda ids: disc_m(ids.to(dev)).cpu()     # noqa: E731
-    lm_rows = lambda ids: lm_m(ids.to(dev)).cpu()      # noqa: E731
+    known_e, disc_e, lm_rows = host_lookups(model)
     hits = total = 0
     for r in results.values():
         for ev in r["blocks"]:
@@ -204,8 +206,7 @@ def logit_mass(model, results: dict, top_k: int = 8) -> dict:
     Per token (the committing forward's terms): known share = sum |C_known| / (sum |C_known| +
     sum |C_disc| + |residual|), pooled over tokens; and whether its top `top_k` terms of both
     heads by |contribution| (the API's default attribution_top_k) list a known concept."""
-    known_m, disc_m, lm_m = model_lookups(model)
-    dev = model.rope_cos.device
+    lookups = host_lookups(model)
     mass = np.zeros(3)
     tokens = with_known = 0
     for r in results.values():
@@ -213,8 +214,7 @@ def logit_mass(model, results: dict, top_k: int = 8) -> dict:
             rec = ev.records
             if len(rec.tokens) == 0:
                 continue
-            attr = token_attribution(rec, lambda i: known_m(i.to(dev)).cpu(), lambda i: disc_m(i.to(dev)).cpu(),
-                                     lambda i: lm_m(i.to(dev)).cpu())
+            attr = token_attribution(rec, *lookups)
             k, d = attr.known_contrib.abs().double(), attr.disc_contrib.abs().double()
             mass += [float(k.sum()), float(d.sum()), float(attr.residual.abs().double().sum())]
             both = torch.cat([k, d], dim=1)
