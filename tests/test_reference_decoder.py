@@ -12,7 +12,7 @@ from cde.steerling.concept_heads import streaming_topk
 from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import DecodeOptions, generate
-from cde.steerling.sampling import SamplingParams, counter_uniform, draw, sampling_distribution
+from cde.steerling.sampling import SamplingParams, counter_uniform, draw, most_confident, sampling_distribution
 
 VOCAB = 264
 
@@ -189,3 +189,17 @@ def test_counter_uniform_streams_and_steps_do_not_collide():
     draws = {s: counter_uniform(seed, pos, step, stream=s) for s in range(8)}
     flat = torch.cat(list(draws.values()))
     assert flat.unique().numel() == flat.numel()
+
+
+def test_most_confident_breaks_ties_by_position(seed):
+    """Saturated confidences tie exactly; the reference and the batched engine must commit the
+    same position, so ties go to the lower index (topk leaves them unordered)."""
+    g = torch.Generator().manual_seed(seed)
+    conf = torch.rand(4, 64, generator=g, dtype=torch.float64)
+    tied = torch.randperm(64, generator=g)[:9]
+    conf[:, tied] = 1.0
+    values, idx = most_confident(conf, 5)
+    assert torch.equal(values, torch.ones(4, 5, dtype=torch.float64)), seed
+    assert idx.tolist() == [sorted(tied.tolist())[:5]] * 4, seed
+    order = most_confident(conf[0], 64)[1].tolist()
+    assert sorted(order) == list(range(64)) and order[:9] == sorted(tied.tolist()), seed

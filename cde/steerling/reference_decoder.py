@@ -28,7 +28,7 @@ from torch import Tensor
 from cde.steerling.attribution import RawRecords
 from cde.steerling.model import KnownIntervention, SteeringInputs, SteerlingModel, dense_block_causal_attend
 from cde.steerling.sampling import (SamplingParams, adjust_logits, banned_ids, choose_tokens, confidence,
-                                    counter_uniform)
+                                    counter_uniform, most_confident)
 from cde.steerling.steering import PreparedSteering, resolve_alpha
 
 
@@ -154,7 +154,7 @@ def generate(
             adjusted = adjust_logits(heads.logits, seen[None].expand(len(masked), -1), rep.expand(len(masked)),
                                      cfg.eos_id, banned, relu)
             conf = confidence(adjusted)
-            sel = conf.topk(min(options.tokens_per_step, masked.numel())).indices
+            sel = most_confident(conf, min(options.tokens_per_step, masked.numel()))[1]
             if options.confidence_threshold is not None:
                 # at least the most confident position, then those at or above the threshold
                 n_sel = max(1, int((conf[sel] >= options.confidence_threshold).sum()))

@@ -90,6 +90,14 @@ def confidence(adjusted: Tensor) -> Tensor:
     return torch.softmax(adjusted, dim=-1).max(dim=-1).values
 
 
+def most_confident(conf: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest confidences along the last dim and their indices, in descending order;
+    equal confidences (two positions saturated at exactly 1.0 are common) in index order, so
+    the reference and the batched engine commit the same position. topk leaves ties unordered."""
+    values, indices = torch.sort(conf, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def entropy_temperature(adjusted: Tensor, top_p: Tensor) -> Tensor:
     """T = 0.3 + 0.4 * min(1, H(p) / log(k_eff)) per row, as fp32 (computed like the reference)."""
     probs = torch.softmax(adjusted, dim=-1)

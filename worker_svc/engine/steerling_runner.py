@@ -45,7 +45,7 @@ from torch import Tensor
 from cde.blocks import BLOCK
 from cde.steerling import kernels
 from cde.steerling.model import HeadsOutput, SteeringInputs, SteerlingModel
-from cde.steerling.sampling import draw, entropy_temperature, top_p_filter
+from cde.steerling.sampling import draw, entropy_temperature, most_confident, top_p_filter
 from worker_svc.engine.attention import BlockKernelUse, block_rows_attend
 from worker_svc.engine.kv_cache import KVCache
 from worker_svc.engine.layouts import BlockResultLayout
@@ -232,7 +232,7 @@ class StepRunner:
         conf_rows = self.kernels.confidence_at(logits, self.tables.relu, self.tables.seen, s.slot[entry_row],
                                                s.rep[entry_row], self.banned_mask)         # (HB,)
         conf = torch.where(head_rows.candidate, conf_rows[head_rows.index], torch.full_like(conf_rows[:1], float("-inf")))
-        conf_sel, idx = conf.topk(max_tokens, dim=1)                                       # (R, max_tokens)
+        conf_sel, idx = most_confident(conf, max_tokens)                                   # (R, max_tokens)
         j = torch.arange(max_tokens, device=tokens.device)[None, :]
         valid = (j < s.tokens_per_step[:, None]) & (conf_sel > float("-inf")) & ((j == 0) | (conf_sel >= s.threshold[:, None]))
 
