@@ -22,6 +22,13 @@ CDE_INTERNAL_TOKEN_FILE, so a process that does not hold it can neither register
 call the scheduler, the workers, steering or attribution (UNAUTHENTICATED). The launcher prints
 the file's path. An existing token file: --internal-token-file PATH (or CDE_INTERNAL_TOKEN_FILE
 set in the launcher's environment); the check off: --no-internal-token.
+
+High availability on one machine (--ha): Redis runs as a master, a replica and three sentinels
+(cde/redis_ha.py; the schedulers find the master through Sentinel and WAIT for the replica on
+every state write), two schedulers share one lease (the standby takes over within --lease-ms),
+and two attribution replicas serve the scheduler; workers and the gateway know both schedulers.
+A killed process is restarted by the supervision below, a dead Redis node as a replica of the
+master Sentinel promoted. --schedulers N and --attribution-replicas N set the counts alone.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cde.model_family import CAUSAL, model_family
+from cde.redis_ha import MASTER_NAME, RedisHa
 from cde.redis_util import EmbeddedRedis, free_port
 from cde.rpc.internal_auth import TOKEN_FILE_ENV, TOKEN_MD, TokenError, load_token
 from cde.supervision import CRASH_LOOP_WINDOW_S, recent_restarts, restart_delay
@@ -56,6 +64,10 @@ DEFAULT_GRPC_PORT = 50050
 # The scheduler's --detach-grace (scheduler_svc.service.DETACH_GRACE_S, the gateway's reattach
 # window): a stream cut by a gateway process's death leaves its request running this long for a Resume.
 DETACH_GRACE_S = 30.0
+
+
+class LaunchError(Exception):
+    """Options that cannot start a stack (said to the user, no traceback)."""
 
 
 def child_pids(pid: int) -> list[int]:
@@ -113,6 +125,7 @@ class Stack:
         self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="cde-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.redis: EmbeddedRedis | None = None
+        self.redis_ha: RedisHa | None = None          # --ha: master + replica + sentinels
         self.causal = False
         self.services: list[Service] = []
         self.env: dict[str, str] = {}
@@ -129,14 +142,33 @@ class Stack:
     def start(self) -> None:
         a = self.args
         self.prepare_internal_token()
+        n_sched, n_attr = self.replica_counts()
         redis_url = getattr(a, "redis_url", None) or os.environ.get("REDIS_URL")
-        if not redis_url:
+        redis_args: list[str] = []
+        if getattr(a, "ha", False):
+            if redis_url:
+                raise LaunchError("--ha starts its own Redis master, replica and sentinels: unset REDIS_URL "
+                                 "(or run without --ha against your own Redis)")
+            self.redis_ha = RedisHa(self.run_dir / "redis", appendfsync="everysec").start()
+            host, port = self.redis_ha.current_master()
+            redis_url = f"redis://{host}:{port}/0"
+            # WAIT 1: a block write is acknowledged only once the replica holds it, so the
+            # replica Sentinel promotes after a master's death has every acknowledged block
+            redis_args = ["--redis-sentinels", self.redis_ha.sentinel_arg, "--redis-sentinel-master", MASTER_NAME,
+                          "--redis-wait-replicas", "1"]
+            print(f"redis      master {host}:{port}, replica {self.redis_ha.replica.port}, sentinels "
+                  f"{self.redis_ha.sentinel_arg} (Sentinel fails over; WAIT 1 on every state write)", flush=True)
+        elif not redis_url:
             self.redis = EmbeddedRedis(data_dir=self.run_dir / "redis", aof=True, appendfsync="everysec")
             self.redis.start()
             redis_url = self.redis.url
-        print(f"redis      {redis_url}", flush=True)
+        if not redis_args:
+            print(f"redis      {redis_url}", flush=True)
         model = str(Path(a.model_dir).resolve())
-        p = {name: free_port() for name in ("steering", "attribution", "scheduler")}
+        # one scheduler or attribution replica is "scheduler" / "attribution", several are numbered
+        sched_names = ["scheduler"] if n_sched == 1 else [f"scheduler{i}" for i in range(n_sched)]
+        attr_names = ["attribution"] if n_attr == 1 else [f"attribution{i}" for i in range(n_attr)]
+        p = {name: free_port() for name in ["steering", *attr_names, *sched_names]}
         p["gateway_grpc"] = getattr(a, "grpc_port", 0) or free_port()
         p["gateway_http"] = a.http_port or free_port()
         worker_ports = [free_port() for _ in range(a.workers)]
@@ -146,16 +178,18 @@ class Stack:
         concepts = [] if self.causal else [
             Service("steering", py + ["steering_svc", "--model-dir", model, "--host", "127.0.0.1",
                                       "--port", str(p["steering"])], grpc_port=p["steering"]),
-            Service("attribution", py + ["attribution_svc", "--model-dir", model, "--host", "127.0.0.1",
-                                         "--port", str(p["attribution"])], grpc_port=p["attribution"]),
-        ]
-        attribution = [] if self.causal else ["--attribution", f"127.0.0.1:{p['attribution']}"]
+        ] + [Service(name, py + ["attribution_svc", "--model-dir", model, "--host", "127.0.0.1",
+                                 "--port", str(p[name])], grpc_port=p[name]) for name in attr_names]
+        attribution = [] if self.causal else ["--attribution", ",".join(f"127.0.0.1:{p[n]}" for n in attr_names)]
+        schedulers = ",".join(f"127.0.0.1:{p[n]}" for n in sched_names)
+        # several schedulers share one lease in Redis: each needs its own id
         self.services = concepts + [
-            Service("scheduler", py + ["scheduler_svc", "--host", "127.0.0.1", "--port", str(p["scheduler"]),
-                                       "--redis-url", redis_url, *attribution,
-                                       "--detach-grace", str(getattr(a, "detach_grace", DETACH_GRACE_S)),
-                                       *getattr(a, "scheduler_args", ())],
-                    grpc_port=p["scheduler"]),
+            Service(name, py + ["scheduler_svc", "--host", "127.0.0.1", "--port", str(p[name]),
+                                "--redis-url", redis_url, *redis_args, *attribution,
+                                *(["--scheduler-id", f"s{i}"] if n_sched > 1 else []),
+                                "--detach-grace", str(getattr(a, "detach_grace", DETACH_GRACE_S)),
+                                *getattr(a, "scheduler_args", ())],
+                    grpc_port=p[name]) for i, name in enumerate(sched_names)
         ]
         # CPU workers on one machine split its cores: each with torch's default (all cores) they
         # oversubscribe them and every step slows down badly
@@ -163,11 +197,11 @@ class Stack:
         for i, wp in enumerate(worker_ports):
             self.services.append(Service(f"worker{i}", py + [
                 "worker_svc", "--model-dir", model, "--host", "127.0.0.1", "--port", str(wp),
-                "--scheduler", f"127.0.0.1:{p['scheduler']}", "--worker-id", f"w{i}", "--device", a.device,
+                "--scheduler", schedulers, "--worker-id", f"w{i}", "--device", a.device,
                 *threads, *getattr(a, "worker_args", ())], grpc_port=wp))
         self.services.append(Service("gateway", py + [
             "gateway", "--model-dir", model, "--host", a.host, "--http-port", str(p["gateway_http"]),
-            "--grpc-port", str(p["gateway_grpc"]), "--scheduler", f"127.0.0.1:{p['scheduler']}",
+            "--grpc-port", str(p["gateway_grpc"]), "--scheduler", schedulers,
             "--steering", f"127.0.0.1:{p['steering']}", "--processes", str(getattr(a, "gateway_processes", 1) or 1),
             *getattr(a, "gateway_args", ())],
             http_port=p["gateway_http"], grpc_port=p["gateway_grpc"]))
@@ -179,6 +213,16 @@ class Stack:
                                         stderr=subprocess.STDOUT, start_new_session=True)
             print(f"{svc.name:<10} pid {svc.proc.pid} log {svc.log}", flush=True)
         self.wait_healthy()
+
+    def replica_counts(self) -> tuple[int, int]:
+        """(schedulers, attribution replicas): as given, else two each with --ha, else one."""
+        a = self.args
+        default = 2 if getattr(a, "ha", False) else 1
+        n_sched = getattr(a, "schedulers", None) or default
+        n_attr = getattr(a, "attribution_replicas", None) or default
+        if not 1 <= n_sched <= 8 or not 1 <= n_attr <= 8:
+            raise LaunchError(f"--schedulers and --attribution-replicas: 1 to 8 each, got {n_sched} and {n_attr}")
+        return n_sched, n_attr
 
     def prepare_internal_token(self) -> None:
         """The internal token file every service gets in $CDE_INTERNAL_TOKEN_FILE: the one named
@@ -242,6 +286,9 @@ class Stack:
         if self.redis is not None and not self.redis.running():
             print("redis      died; restarting it (AOF keeps the state)", flush=True)
             self.redis.restart()
+        if self.redis_ha is not None:
+            for line in self.redis_ha.supervise():
+                print(f"redis      {line}", flush=True)
         for svc in self.services:
             if svc.proc is None or svc.proc.poll() is None:
                 continue
@@ -278,10 +325,20 @@ class Stack:
                     svc.proc.kill()
         if self.redis is not None:
             self.redis.close()
+        if self.redis_ha is not None:
+            self.redis_ha.stop()
         if self.made_token_file and self.internal_token_file is not None:
             self.internal_token_file.unlink(missing_ok=True)
         if self.owns_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    @property
+    def redis_url(self) -> str:
+        """Where the stack's Redis master is now (with --ha: the node Sentinel names)."""
+        if self.redis_ha is not None:
+            host, port = self.redis_ha.current_master()
+            return f"redis://{host}:{port}/0"
+        return self.redis.url if self.redis is not None else self.env["REDIS_URL"]
 
     @property
     def base_url(self) -> str:
@@ -348,6 +405,13 @@ def main() -> None:
     ap.add_argument("--detach-grace", type=float, default=DETACH_GRACE_S,
                     help="the scheduler's --detach-grace: seconds a request whose stream broke without the "
                          f"client leaving (a gateway process died) waits for a Resume (default {DETACH_GRACE_S:g})")
+    ap.add_argument("--ha", action="store_true",
+                    help="high availability on one machine: Redis master + replica + 3 sentinels (WAIT 1), two "
+                         "schedulers sharing one lease, two attribution replicas; kill any one and requests "
+                         "finish with identical output")
+    ap.add_argument("--schedulers", type=int, default=None, help="scheduler processes (default 1; 2 with --ha)")
+    ap.add_argument("--attribution-replicas", type=int, default=None,
+                    help="attribution_svc processes the scheduler balances over (default 1; 2 with --ha)")
     ap.add_argument("--run-dir", default=None)
     tok = ap.add_mutually_exclusive_group()
     tok.add_argument("--internal-token-file", default=None,
@@ -392,7 +456,7 @@ def main() -> None:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
-    except TokenError as e:   # --internal-token-file / $CDE_INTERNAL_TOKEN_FILE without a valid token
+    except (TokenError, LaunchError) as e:   # an invalid token file; --ha with REDIS_URL; bad counts
         raise SystemExit(f"cde.launch: {e}") from None
     finally:
         print("stopping ...", flush=True)

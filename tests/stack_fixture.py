@@ -49,12 +49,14 @@ FINISHED_OK = ("stop", "length")   # finish reasons of a request that completed
 def stack_args(run_dir: str | os.PathLike, *, workers: int = 1, scheduler_args: Sequence[str] = (),
                gateway_args: Sequence[str] = (), redis_url: str | None = None,
                timeout: float = 240.0, model_dir: str | os.PathLike = TINY_MODEL, internal_token: bool = True,
-               internal_token_file: str | os.PathLike | None = None) -> argparse.Namespace:
+               internal_token_file: str | os.PathLike | None = None, ha: bool = False,
+               schedulers: int | None = None, attribution_replicas: int | None = None) -> argparse.Namespace:
     return argparse.Namespace(model_dir=str(model_dir), device="cpu", workers=workers, host="127.0.0.1",
                               http_port=free_port(), run_dir=str(run_dir), timeout=timeout,
                               scheduler_args=list(scheduler_args), gateway_args=list(gateway_args),
                               redis_url=redis_url, internal_token=internal_token,
-                              internal_token_file=str(internal_token_file) if internal_token_file else None)
+                              internal_token_file=str(internal_token_file) if internal_token_file else None,
+                              ha=ha, schedulers=schedulers, attribution_replicas=attribution_replicas)
 
 
 @contextlib.contextmanager
@@ -193,6 +195,7 @@ class StreamResult:
         self.usage: dict | None = None
         self.errors: list[dict] = []
         self.done = False            # saw data: [DONE]
+        self.block_cde: list[dict] = []   # each block's "cde" object (attributions included)
 
     def feed(self, line: str) -> None:
         if line.strip() == "data: [DONE]":
@@ -208,6 +211,7 @@ class StreamResult:
         if "request_id" in cde and self.request_id is None:
             self.request_id = cde["request_id"]
         if "block_index" in cde:
+            self.block_cde.append(cde)
             self.blocks.append(cde["block_index"])
             self.tokens += cde["tokens"]
         for c in ev.get("choices") or []:
@@ -281,6 +285,35 @@ class GrpcStream:
             self.text += ev.block.text
         elif kind == "finished":
             self.finished = ev.finished
+
+
+async def follow_grpc(stub, st: GrpcStream, budget_s: float = 90.0) -> GrpcStream:
+    """Generate (or, without a request, Resume from the start); on a broken stream Resume after
+    the last block seen, until Finished or the budget is spent."""
+    deadline = time.monotonic() + budget_s
+    if st.request is not None:
+        call = stub.Generate(st.request, timeout=budget_s)
+    else:
+        call = stub.Resume(common_pb2.ResumeRequest(request_id=st.request_id), timeout=budget_s)
+    while True:
+        try:
+            async for ev in call:
+                st.feed(ev)
+            if st.finished is not None:
+                return st
+            st.errors.append("stream ended without Finished")
+        except grpc.aio.AioRpcError as e:
+            st.errors.append(e.code().name)
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return st
+        left = deadline - time.monotonic()
+        assert left > 0, f"request {st.request_id} did not finish within {budget_s:g}s: {st.errors[-5:]}"
+        await asyncio.sleep(0.2)
+        resume = common_pb2.ResumeRequest(request_id=st.request_id)
+        if st.blocks:
+            resume.after_block = st.blocks[-1]
+        st.resumes += 1
+        call = stub.Resume(resume, timeout=left)
 
 
 def write_json(path: Path, obj: dict) -> None:

@@ -42,9 +42,10 @@ import redis
 
 from cde.launch import ROOT, Stack
 from cde.redis_util import EmbeddedRedis
-from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from cde.rpc.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from cde.steerling.tokenizer import ByteTokenizer
 from tests.stack_fixture import (FINISHED_OK, MODEL, PROMPT, GrpcStream, StreamResult, all_alive, chat_body, contiguous,
+                                 follow_grpc,
                                  grpc_request, kill, restart_service, running_stack, service, stored_block_indices,
                                  stream_many, stream_rest, worker_info, workers, write_json)
 
@@ -93,45 +94,16 @@ def post_until_ok(url: str, body: dict, budget_s: float, path: str = "/v1/chat/c
 # ---- public gRPC ----------------------------------------------------------------------------------
 
 
-async def follow(stub, st: GrpcStream, budget_s: float = 90.0) -> GrpcStream:
-    """Generate (or, without a request, Resume from the start); on a broken stream Resume after
-    the last block seen, until Finished or the budget is spent."""
-    deadline = time.monotonic() + budget_s
-    if st.request is not None:
-        call = stub.Generate(st.request, timeout=budget_s)
-    else:
-        call = stub.Resume(common_pb2.ResumeRequest(request_id=st.request_id), timeout=budget_s)
-    while True:
-        try:
-            async for ev in call:
-                st.feed(ev)
-            if st.finished is not None:
-                return st
-            st.errors.append("stream ended without Finished")
-        except grpc.aio.AioRpcError as e:
-            st.errors.append(e.code().name)
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                return st
-        left = deadline - time.monotonic()
-        assert left > 0, f"request {st.request_id} did not finish within {budget_s:g}s: {st.errors[-5:]}"
-        await asyncio.sleep(0.2)
-        resume = common_pb2.ResumeRequest(request_id=st.request_id)
-        if st.blocks:
-            resume.after_block = st.blocks[-1]
-        st.resumes += 1
-        call = stub.Resume(resume, timeout=left)
-
-
 async def grpc_many(port: int, requests: list[generate_pb2.GenerateRequest], budget_s: float = 90) -> list[GrpcStream]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
-        return list(await asyncio.gather(*(follow(stub, GrpcStream(r), budget_s) for r in requests)))
+        return list(await asyncio.gather(*(follow_grpc(stub, GrpcStream(r), budget_s) for r in requests)))
 
 
 def grpc_resume(port: int, request_id: str, budget_s: float = 30) -> GrpcStream:
     async def run():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            return await follow(generate_pb2_grpc.GenerationStub(ch), GrpcStream(request_id=request_id), budget_s)
+            return await follow_grpc(generate_pb2_grpc.GenerationStub(ch), GrpcStream(request_id=request_id), budget_s)
     return asyncio.run(run())
 
 
@@ -238,7 +210,7 @@ def test_scheduler_killed_and_restarted_clients_resume_and_get_the_same_text(tmp
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = generate_pb2_grpc.GenerationStub(ch)
                 states = [GrpcStream(grpc_request(s, 190, request_id=f"sr-{uuid.uuid4().hex}")) for s, _ in chosen]
-                tasks = [asyncio.create_task(follow(stub, st, 120)) for st in states]
+                tasks = [asyncio.create_task(follow_grpc(stub, st, 120)) for st in states]
                 deadline = time.monotonic() + 60
                 while sum(1 for st in states if st.blocks) < len(states) // 2:
                     assert time.monotonic() < deadline and not all(t.done() for t in tasks), "no blocks arrived"

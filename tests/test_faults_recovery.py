@@ -37,6 +37,7 @@ from cde.rpc.v1 import (attribution_pb2, common_pb2, generate_pb2, generate_pb2_
                         scheduler_pb2_grpc, steering_pb2_grpc, worker_pb2, worker_pb2_grpc)
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Limits, ModelCard, Pipeline
+from tests.launcher_fixture import stop_launcher
 from tests.stack_fixture import (FINISHED_OK, MODEL, GrpcStream, LauncherOutput, StreamResult, all_alive, chat_body,
                                  contiguous, grpc_request, internal_aio_channel, kill, restart_service, running_stack,
                                  service, stream_rest, wait_until, workers)
@@ -502,13 +503,7 @@ def test_launcher_restarts_a_killed_worker_and_its_requests_finish_elsewhere(tmp
         again = httpx.post(f"{url}/v1/chat/completions", json=chat_body(5, 64, stream=False), timeout=60)
         assert again.status_code == 200 and proc.poll() is None
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)   # Ctrl-C: the launcher stops every service it started
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_launcher(proc)
     assert out.find("stopping"), out.text()[-2000:]
     report(f"launcher: SIGKILL worker0 (pid {pid}) under 6 streamed requests: all finished, each block once; "
            f"worker0 restarted as pid {new_pid} and registered again; Ctrl-C stopped the stack")

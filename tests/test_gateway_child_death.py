@@ -38,12 +38,12 @@ import yaml
 
 from cde import launch
 from cde.launch import ROOT, child_pids
-from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from cde.rpc.v1 import generate_pb2, generate_pb2_grpc
 from gateway.server import GatewaySettings
 from scheduler_svc import __main__ as scheduler_cli
 from scheduler_svc.service import DETACH_GRACE_S, SchedulerOptions
-from tests.stack_fixture import (FINISHED_OK, GrpcStream, chat_body, contiguous, grpc_request, running_stack, service,
-                                 wait_until)
+from tests.stack_fixture import (FINISHED_OK, GrpcStream, chat_body, contiguous, follow_grpc, grpc_request,
+                                 running_stack, service, wait_until)
 
 PROCESSES = 2
 REPORT_TAG = "fault"
@@ -123,31 +123,6 @@ def gateway_children(stack) -> list[int]:
 
 
 # ---- helpers: clients ------------------------------------------------------------------------------
-async def follow(stub, st: GrpcStream, deadline: float) -> GrpcStream:
-    """Generate; on a broken stream Resume after the last block seen (same channel: it
-    reconnects), until Finished or the deadline."""
-    call = stub.Generate(st.request, timeout=deadline - time.monotonic())
-    while True:
-        try:
-            async for ev in call:
-                st.feed(ev)
-            if st.finished is not None:
-                return st
-            st.errors.append("stream ended without Finished")
-        except grpc.aio.AioRpcError as e:
-            st.errors.append(e.code().name)
-            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                return st
-        left = deadline - time.monotonic()
-        assert left > 0, f"request {st.request_id} did not finish in time: errors {st.errors[-5:]}, blocks {st.blocks}"
-        await asyncio.sleep(0.1)
-        resume = common_pb2.ResumeRequest(request_id=st.request_id)
-        if st.blocks:
-            resume.after_block = st.blocks[-1]
-        st.resumes += 1
-        call = stub.Resume(resume, timeout=left)
-
-
 def rest_result(body: dict) -> tuple:
     """What must not change between runs: text, tokens, finish reason, completion tokens."""
     choice = body["choices"][0]
@@ -269,8 +244,8 @@ def test_killed_gateway_process_loses_no_request(stack, report) -> None:
                 before = with_blocks(rds)
                 cut, base = grpc_streams("cut"), grpc_streams("base")
                 base_stub = generate_pb2_grpc.GenerationStub(base_ch)
-                tasks = [asyncio.create_task(follow(stub, st, deadline)) for st in cut] + \
-                        [asyncio.create_task(follow(base_stub, st, deadline)) for st in base]
+                tasks = [asyncio.create_task(follow_grpc(stub, st, deadline - time.monotonic())) for st in cut] + \
+                        [asyncio.create_task(follow_grpc(base_stub, st, deadline - time.monotonic())) for st in base]
                 posts = [asyncio.create_task(raw_post(r, w, "/v1/chat/completions",
                                                       chat_body(s, MAX_TOKENS, stream=False)))
                          for conns in (cut_rest, base_rest) for (r, w, _), s in zip(conns, rest_seeds)]

@@ -28,20 +28,6 @@ REPORT_TAG = "fault"
 SEED = int(os.environ.get("CDE_TEST_SEED", 4242))
 
 
-class BlockLog(StreamResult):
-    """A StreamResult that also keeps each block's cde JSON (attributions included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.block_json: list[dict] = []
-
-    def feed(self, line: str) -> None:
-        super().feed(line)
-        if line.startswith("data:") and '"block_index"' in line:
-            import json
-            self.block_json.append(json.loads(line[5:])["cde"])
-
-
 async def _stream(c: httpx.AsyncClient, url: str, body: dict, res: StreamResult) -> StreamResult:
     async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
         res.status = r.status_code
@@ -53,10 +39,10 @@ async def _stream(c: httpx.AsyncClient, url: str, body: dict, res: StreamResult)
     return res
 
 
-async def run_round(url: str, bodies: list[dict], disturb=None, budget_s: float = 300) -> tuple[list[BlockLog], int]:
+async def run_round(url: str, bodies: list[dict], disturb=None, budget_s: float = 300) -> tuple[list[StreamResult], int]:
     """Stream every body at once; ``disturb()`` runs (in a thread) once two streams have
     blocks. Returns the results and how many were unfinished when it ran."""
-    results = [BlockLog() for _ in bodies]
+    results = [StreamResult() for _ in bodies]
     in_flight = 0
     async with httpx.AsyncClient(timeout=budget_s) as c:
         tasks = [asyncio.create_task(_stream(c, url, b, r)) for b, r in zip(bodies, results)]
@@ -71,7 +57,7 @@ async def run_round(url: str, bodies: list[dict], disturb=None, budget_s: float 
     return results, in_flight
 
 
-def assert_same(ref: list[BlockLog], got: list[BlockLog], what: str) -> None:
+def assert_same(ref: list[StreamResult], got: list[StreamResult], what: str) -> None:
     for i, (a, b) in enumerate(zip(ref, got)):
         tag = f"seed {SEED + i} ({what})"
         assert b.status == 200 and not b.errors and b.done, (tag, b.status, b.errors)
@@ -97,7 +83,7 @@ def test_killing_the_active_scheduler_under_load_loses_and_duplicates_nothing(tm
         assert_same(ref, got, "active scheduler killed")
         new, new_token = active_scheduler(stack)
         assert new is not active and new_token > token, (active.name, new.name, token, new_token)
-        rds = redis.Redis.from_url(stack.redis.url)
+        rds = redis.Redis.from_url(stack.redis_url)
         for i, r in enumerate(got):
             assert rds.hget(f"cde:req:{r.request_id}", "status") == b"finished", f"seed {SEED + i}"
             assert stored_block_indices(rds, r.request_id) == r.blocks, f"seed {SEED + i}: Redis != delivered"
@@ -119,15 +105,15 @@ def test_an_attribution_replica_dying_mid_request_attributes_every_block_once(tm
         bodies = [chat_body(SEED + 100 + i, 190, attribution="all", attribution_top_k=4) for i in range(6)]
         ref, _ = asyncio.run(run_round(stack.base_url, bodies))
         assert all(r.finish in FINISHED_OK and not r.errors for r in ref), f"seed {SEED}: undisturbed run failed"
-        assert all(b["token_attributions"] for r in ref for b in r.block_json), "the reference has no attributions"
+        assert all(b["token_attributions"] for r in ref for b in r.block_cde), "the reference has no attributions"
         got, in_flight = asyncio.run(run_round(stack.base_url, bodies, lambda: kill(service(stack, "attribution0"))))
         assert in_flight >= 2, f"seed {SEED}: the kill hit only {in_flight} unfinished requests"
         assert_same(ref, got, "attribution replica killed")
         for i, (a, b) in enumerate(zip(ref, got)):
-            idx = [blk["block_index"] for blk in b.block_json]
+            idx = [blk["block_index"] for blk in b.block_cde]
             assert len(idx) == len(set(idx)) == len(b.blocks), f"seed {SEED + 100 + i}: a block came twice: {idx}"
-            assert b.block_json == a.block_json, f"seed {SEED + 100 + i}: attributions differ from the undisturbed run"
-        sched = service(stack, "scheduler0").log.read_text(errors="replace")
+            assert b.block_cde == a.block_cde, f"seed {SEED + 100 + i}: attributions differ from the undisturbed run"
+        sched = service(stack, "scheduler").log.read_text(errors="replace")
         broke = sched.count("attribution for ")
         assert broke >= 1, "no attribution stream broke: the kill hit nothing"
         assert "without attributions" not in sched, sched[-3000:]

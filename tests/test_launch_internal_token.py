@@ -8,83 +8,25 @@ waits); the flag checks and the Stack's token handling run without any service.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
-from cde.launch import ROOT, TINY_MODEL, Stack
-from cde.redis_util import free_port
+from cde.launch import ROOT, Stack
 from cde.rpc.internal_auth import MIN_TOKEN_CHARS, TOKEN_FILE_ENV, TOKEN_MD, TokenError, load_token
 from cde.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, steering_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.stack_fixture import MODEL, LauncherOutput, chat_body, stack_args, wait_until
+from tests.launcher_fixture import launch_cmd, launched
+from tests.stack_fixture import MODEL, chat_body, stack_args, wait_until
 
 REPORT_TAG = "launch"
 SERVICES = ("steering", "attribution", "scheduler", "worker0", "gateway")
-
-
-@dataclass
-class Launched:
-    proc: subprocess.Popen
-    out: LauncherOutput
-    run_dir: Path
-    base_url: str
-
-    def pid(self, name: str) -> int:
-        line = self.out.find(f"{name:<10} pid ")
-        assert line, f"no pid line for {name}: {self.out.text()[-2000:]}"
-        return int(line.split()[2])
-
-    def argv(self, name: str) -> list[str]:
-        return Path(f"/proc/{self.pid(name)}/cmdline").read_bytes().decode().split("\0")
-
-    def port(self, name: str) -> int:
-        argv = self.argv(name)
-        return int(argv[argv.index("--port") + 1])
-
-    def environ(self, name: str) -> dict[str, str]:
-        raw = Path(f"/proc/{self.pid(name)}/environ").read_bytes().decode(errors="replace")
-        return dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
-
-
-def _cmd(run_dir: Path, *flags: str, timeout: float = 240) -> list[str]:
-    return [sys.executable, "-m", "cde.launch", "--model-dir", str(TINY_MODEL), "--http-port", str(free_port()),
-            "--grpc-port", str(free_port()), "--run-dir", str(run_dir), "--timeout", f"{timeout:g}", *flags]
-
-
-@contextlib.contextmanager
-def launched(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Launched]:
-    """``python -m cde.launch`` with ``flags``, until ready; Ctrl-C (SIGINT) on the way out."""
-    run_dir = tmp_path / "run"
-    cmd = _cmd(run_dir, *flags)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    out = LauncherOutput(proc)
-    http_port = cmd[cmd.index("--http-port") + 1]
-    try:
-        wait_until(lambda: out.find("ready: REST") or proc.poll() is not None, 300, 0.2, "launcher ready")
-        assert proc.poll() is None, f"launcher exited with {proc.returncode}:\n{out.text()[-3000:]}"
-        yield Launched(proc, out, run_dir, f"http://127.0.0.1:{http_port}")
-    except BaseException:
-        print(out.text()[-4000:])
-        raise
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)   # Ctrl-C: the launcher stops every service it started
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)   # the launcher this test started, its own group
-                proc.wait(timeout=10)
 
 
 def _code(fn) -> grpc.StatusCode:
@@ -196,7 +138,7 @@ def test_no_internal_token_flag_turns_the_check_off(tmp_path, report):
 # ---- the flags and the Stack's token handling, no services -----------------------------------------
 
 def _run_cli(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_cmd(tmp_path / "run", *flags, timeout=5), cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run(launch_cmd(tmp_path / "run", *flags, timeout=5), cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 

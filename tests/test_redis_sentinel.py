@@ -71,15 +71,18 @@ def test_acknowledged_writes_survive_a_master_failover(tmp_path, report):
             tasks = [asyncio.create_task(writer(w)) for w in range(4)]
             await asyncio.sleep(1.0)
             before_kill = len(acked)
-            await asyncio.to_thread(g.master.kill)      # SIGKILL under load
+            old = g.master
+            await asyncio.to_thread(old.kill)      # SIGKILL under load
             t_kill = time.monotonic()
             while g.current_master() == old_master:
                 assert time.monotonic() - t_kill < 30, "Sentinel did not fail over"
                 await asyncio.sleep(0.1)
             failover_s = time.monotonic() - t_kill
-            # the old master comes back (as a pod would) and Sentinel makes it a replica: WAIT 1
-            # can be satisfied again
-            await asyncio.to_thread(g.master.restart)
+            # the old master comes back (as the launcher's supervision brings it back: a replica
+            # of the new master), so WAIT 1 can be satisfied again
+            restarted = await asyncio.to_thread(g.supervise)
+            assert any("restarted as a replica" in line for line in restarted), restarted
+            assert old.running() and g.replica is old, (restarted, g.current_master(), old.port)
             n_at_failover = len(acked)
             deadline = time.monotonic() + 30
             while len(acked) < n_at_failover + 40:
