@@ -18,9 +18,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
+from pathlib import Path
 
 from locust import HttpUser, constant, task
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # locust puts only bench/ on the path
+from cde.sse import is_sse_done, parse_sse_line  # noqa: E402
 
 PROMPT_TOKENS = int(os.environ.get("CDE_LOAD_PROMPT_TOKENS", 128))
 TOKEN_BOUND = int(os.environ.get("CDE_LOAD_TOKEN_BOUND", 256))
@@ -61,12 +66,12 @@ class StreamingCompletion(HttpUser):
                 done = False
                 for raw in r.iter_lines():
                     line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-                    if not line.startswith("data:"):
-                        continue
-                    if line.strip() == "data: [DONE]":
+                    if is_sse_done(line):
                         done = True
                         break
-                    ev = json.loads(line[5:])
+                    ev = parse_sse_line(line)
+                    if ev is None:
+                        continue
                     if "error" in ev:
                         error = f"error event: {ev['error']}"
                         break

@@ -19,6 +19,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from cde.sse import is_sse_done, parse_sse_line
+
 
 def _request(url: str, body: dict | None = None, api_key: str | None = None):
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
@@ -39,12 +41,11 @@ def sse_events(resp):
     """Yield the JSON payload of each `data:` line until `[DONE]`."""
     for raw in resp:
         line = raw.decode("utf-8").rstrip("\n")
-        if not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
+        if is_sse_done(line):
             return
-        yield json.loads(payload)
+        event = parse_sse_line(line)
+        if event is not None:
+            yield event
 
 
 def _served_family(args) -> str:

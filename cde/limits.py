@@ -1,16 +1,16 @@
-"""Every request bound and default, in one torch-free module.
+"""Every request bound and default, and the checks that apply them; torch-free.
 
-The gateway (pydantic schemas and the gRPC API's checks), steering_svc and the worker import
-their bounds from here, so a value one service accepts is never refused by the next one for
-being out of range. Model-dependent bounds are functions of the model's sizes. The README's
-"Limits" table is `markdown_table()` (a test keeps the two equal), and the REST schema's
-field descriptions are built from the same constants.
-
-Nothing here imports torch: the gateway must stay torch-free.
+The gateway (its pydantic schemas declare the constants, `gateway.resolve` calls the checks) and
+steering_svc import their bounds from here, so a value one service accepts is never refused by
+the next one for being out of range. Model-dependent bounds are functions of the model's sizes.
+A check raises `LimitError` naming the offending field as the REST API spells it. The README's
+"Limits" table is `markdown_table()` (a test keeps the two equal).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # ---- integer widths of the proto fields values travel in --------------------------------
@@ -74,9 +74,9 @@ SUPPRESS_TARGET = -7.0
 CUTOFF_MIN, CUTOFF_MAX = 1, 4096    # steering.cutoff (hard_cutoff schedule), tokens
 DEFAULT_CUTOFF = 32
 AMPLIFY_INJECT_LAYER = 8        # the preset's layer, meant for 32-layer models
-
-
-REFERENCE_N_LAYERS = 32   # Steerling-8B, whose amplify preset injects from layer 8
+REFERENCE_N_LAYERS = 32         # Steerling-8B, whose amplify preset injects from layer 8
+INJECT_LAYER_DEFAULT_TEXT = (f"amplify ceil({AMPLIFY_INJECT_LAYER} * n_layers / {REFERENCE_N_LAYERS}) "
+                             f"({AMPLIFY_INJECT_LAYER} at {REFERENCE_N_LAYERS} layers), suppress max(1, n_layers // 2)")
 
 
 def inject_layer_bounds(n_layers: int) -> tuple[int, int]:
@@ -96,6 +96,23 @@ def default_inject_layer(n_layers: int, amplify: bool) -> int:
     return max(1, n_layers // 2)
 
 
+@dataclass(frozen=True)
+class SteeringPreset:
+    """What the unset steering fields of a mode mean (the public package's presets)."""
+
+    target: float
+    inject_layer: int
+    schedule: str               # "hard_cutoff" | "fixed"
+    cutoff: int
+
+
+def steering_preset(n_layers: int, amplify: bool) -> SteeringPreset:
+    """Amplify: target 8 logits, hard cutoff after 32 tokens; suppress: raw alpha -7, fixed."""
+    if amplify:
+        return SteeringPreset(AMPLIFY_TARGET, default_inject_layer(n_layers, True), "hard_cutoff", DEFAULT_CUTOFF)
+    return SteeringPreset(SUPPRESS_TARGET, default_inject_layer(n_layers, False), "fixed", DEFAULT_CUTOFF)
+
+
 # ---- attribution ------------------------------------------------------------------------
 DEFAULT_ATTRIBUTION_TOP_K = 8
 ATTRIBUTION_TOP_K_MAX = 64
@@ -113,6 +130,139 @@ DEFAULT_LIST_LIMIT = 50
 LIST_LIMIT_MAX = 500
 DEFAULT_TOP_TOKENS = 15         # the public package's concept_top_tokens(k=15)
 TOP_TOKENS_MAX = 100
+
+
+# ---- checks ---------------------------------------------------------------------------------
+class LimitError(ValueError):
+    """A value outside its bound. `path` is the field as the REST API spells it
+    (`steering.concepts[0].strength`); `code` is the OpenAI error code where one applies."""
+
+    def __init__(self, path: str, message: str, code: str | None = None):
+        super().__init__(message)
+        self.path, self.message, self.code = path, message, code
+
+
+def _finite_in(x: float, lo: float, hi: float, *, lo_open: bool = False) -> bool:
+    return math.isfinite(x) and (x > lo if lo_open else x >= lo) and x <= hi
+
+
+def check_length(prompt_tokens: int, max_new_tokens: int | None, context: int, max_tokens_limit: int) -> None:
+    """The completion fits this server's limit and, after the prompt, the model's context.
+    `max_new_tokens` None: the client left it to the default, which shrinks to the room left."""
+    if max_new_tokens is None:
+        if prompt_tokens >= context:
+            raise LimitError("prompt", f"the prompt ({prompt_tokens} tokens) fills this model's maximum context of "
+                             f"{context} tokens", "context_length_exceeded")
+        return
+    if max_new_tokens > max_tokens_limit:
+        raise LimitError("max_tokens", f"max_tokens {max_new_tokens} exceeds this server's limit of {max_tokens_limit}")
+    if prompt_tokens + max_new_tokens > context:
+        raise LimitError("max_tokens", f"this model's maximum context length is {context} tokens; the request asks "
+                         f"for {prompt_tokens + max_new_tokens} ({prompt_tokens} in the prompt, {max_new_tokens} for "
+                         "the completion)", "context_length_exceeded")
+
+
+def check_sampling(temperature: float, top_p: float, repetition_penalty: float) -> None:
+    if not _finite_in(temperature, TEMPERATURE_MIN, TEMPERATURE_MAX):
+        raise LimitError("temperature", f"temperature must be in [{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}]")
+    if not _finite_in(top_p, TOP_P_MIN, TOP_P_MAX):
+        raise LimitError("top_p", f"top_p must be in [{TOP_P_MIN:g}, {TOP_P_MAX:g}]")
+    if not _finite_in(repetition_penalty, 0.0, REPETITION_PENALTY_MAX, lo_open=True):
+        raise LimitError("repetition_penalty", f"repetition_penalty must be in (0, {REPETITION_PENALTY_MAX:g}]")
+
+
+def check_tokens_per_step(tokens_per_step: int, diff_block_size: int) -> None:
+    """Block diffusion: at least one position per step, at most the whole diffusion block."""
+    lo, hi = tokens_per_step_bounds(diff_block_size)
+    if not lo <= tokens_per_step <= hi:
+        raise LimitError("decode.tokens_per_step", f"tokens_per_step must be in [{lo}, {hi}] (the diffusion block size)")
+
+
+def check_threshold(threshold: float) -> None:
+    if not _finite_in(threshold, THRESHOLD_MIN_EXCLUSIVE, THRESHOLD_MAX, lo_open=True):
+        raise LimitError("decode.threshold", f"decode.threshold must be in ({THRESHOLD_MIN_EXCLUSIVE:g}, {THRESHOLD_MAX:g}]")
+
+
+def check_stride(stride: int) -> None:
+    """Causal models' decode.stride (a worker may allow fewer: its --max-stride)."""
+    if not 1 <= stride <= MAX_STRIDE:
+        raise LimitError("decode.stride", f"decode.stride must be in [1, {MAX_STRIDE}] (1 = plain autoregressive)")
+
+
+def check_stop_ids(stop_ids: Sequence[int], vocab_size: int) -> None:
+    if len(stop_ids) > MAX_STOP_IDS:
+        raise LimitError("stop_token_ids", f"at most {MAX_STOP_IDS} stop ids")
+    bad = next((i for i in stop_ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise LimitError("stop_token_ids", f"stop token id {bad} is outside the vocabulary (size {vocab_size})")
+
+
+def check_attribution_top_k(top_k: int) -> None:
+    if not 1 <= top_k <= ATTRIBUTION_TOP_K_MAX:
+        raise LimitError("attribution_top_k", f"attribution_top_k must be in [1, {ATTRIBUTION_TOP_K_MAX}]")
+
+
+def check_concept_count(n: int) -> None:
+    if n < 1:
+        raise LimitError("steering.concepts", "steering needs at least one concept")
+    if n > MAX_CONCEPTS:
+        raise LimitError("steering.concepts", f"{n} steering concepts; at most {MAX_CONCEPTS}")
+
+
+def check_concept(index: int, ref: str | int | None, strength: float | None) -> None:
+    """steering.concepts[index]: `ref` is its name, its id, or None when it has neither;
+    `strength` None is not checked (unset, or checked later with `check_strength`)."""
+    path = f"steering.concepts[{index}]"
+    if ref is None or (isinstance(ref, str) and not ref.strip()):
+        raise LimitError(path, f"{path} needs an 'id' or a non-empty 'name'")
+    if isinstance(ref, str) and len(ref) > CONCEPT_NAME_MAX:
+        raise LimitError(f"{path}.name", f"{path}.name is longer than {CONCEPT_NAME_MAX} characters")
+    if strength is not None:
+        check_strength(index, strength)
+
+
+def check_strength(index: int, strength: float) -> None:
+    if not _finite_in(strength, 0.0, STRENGTH_MAX, lo_open=True):
+        raise LimitError(f"steering.concepts[{index}].strength",
+                         f"steering.concepts[{index}].strength must be in (0, {STRENGTH_MAX:g}]")
+
+
+def check_steering_settings(target: float | None, inject_layer: int | None, cutoff: int | None, n_layers: int) -> None:
+    """The steering fields besides the concepts (None = unset: the preset's)."""
+    if target is not None and not _finite_in(target, -TARGET_ABS_MAX, TARGET_ABS_MAX):
+        raise LimitError("steering.target", f"steering.target must be in [-{TARGET_ABS_MAX:g}, {TARGET_ABS_MAX:g}]")
+    lo, hi = inject_layer_bounds(n_layers)
+    if inject_layer is not None and not lo <= inject_layer <= hi:
+        raise LimitError("steering.inject_layer", f"steering.inject_layer must be in [{lo}, {hi}] for this model")
+    if cutoff is not None and not CUTOFF_MIN <= cutoff <= CUTOFF_MAX:
+        raise LimitError("steering.cutoff", f"steering.cutoff must be in [{CUTOFF_MIN}, {CUTOFF_MAX}]")
+
+
+def check_cutoff_applies(cutoff_set: bool, schedule: str) -> None:
+    """A client's cutoff with an explicit fixed schedule is a mistake (the cutoff would be ignored)."""
+    if cutoff_set and schedule == "fixed":
+        raise LimitError("steering.cutoff", "steering.cutoff only applies to schedule 'hard_cutoff'")
+
+
+def check_search(query: str, limit: int) -> None:
+    """GET /v1/concepts?q=: `limit` 0 = the default."""
+    if not query.strip():
+        raise LimitError("q", "a search query is required (q is empty)")
+    if len(query) > SEARCH_QUERY_MAX_CHARS:
+        raise LimitError("q", f"q is {len(query)} characters; at most {SEARCH_QUERY_MAX_CHARS}")
+    if limit > SEARCH_LIMIT_MAX:
+        raise LimitError("limit", f"limit must be in [1, {SEARCH_LIMIT_MAX}]")
+
+
+def check_list_limit(limit: int) -> None:
+    """GET /v1/concepts listing: `limit` 0 = the default."""
+    if limit > LIST_LIMIT_MAX:
+        raise LimitError("limit", f"limit must be in [1, {LIST_LIMIT_MAX}]")
+
+
+def check_top_tokens(top_tokens: int) -> None:
+    if not 0 <= top_tokens <= TOP_TOKENS_MAX:
+        raise LimitError("top_tokens", f"top_tokens must be in [0, {TOP_TOKENS_MAX}]")
 
 
 # ---- the documented table -----------------------------------------------------------------
@@ -161,8 +311,7 @@ def documented_limits() -> tuple[Limit, ...]:
         Limit("`steering.target`", f"[-{_g(TARGET_ABS_MAX)}, {_g(TARGET_ABS_MAX)}]",
               f"amplify {_g(AMPLIFY_TARGET)}, suppress {_g(SUPPRESS_TARGET)}",
               "amplify: logit units; suppress: raw alpha"),
-        Limit("`steering.inject_layer`", "[1, n_layers]",
-              f"amplify ceil({AMPLIFY_INJECT_LAYER} * n_layers / {REFERENCE_N_LAYERS}) ({AMPLIFY_INJECT_LAYER} at {REFERENCE_N_LAYERS} layers), suppress max(1, n_layers // 2)",
+        Limit("`steering.inject_layer`", "[1, n_layers]", INJECT_LAYER_DEFAULT_TEXT,
               "layer i (from 1) and all after it are steered"),
         Limit("`steering.cutoff`", f"[{CUTOFF_MIN}, {CUTOFF_MAX}] tokens", f"{DEFAULT_CUTOFF}",
               "schedule `hard_cutoff` only"),

@@ -30,9 +30,10 @@ from gateway.auth import ApiKeyAuth
 from gateway.detok import StopStringMatcher, token_text
 from gateway.errors import GatewayError, invalid, openai_error_body
 from gateway.metrics import CONTENT_TYPE
-from gateway.pipeline import GenerationStream, Pipeline
+from gateway.pipeline import Pipeline
 from gateway.middleware import AuthMiddleware, BodyLimitMiddleware
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
+from gateway.stream import GenerationStream
 from gateway.ui import ui_router
 from gateway.translate import OpenAIFormatter, RestOptions, block_cde_json, chat_to_proto, completion_to_proto
 
@@ -239,7 +240,7 @@ async def _on_internal_error(request: Request, e: Exception) -> JSONResponse:
 
 
 # ---- generation ----
-async def _generate(request: Request, body: _GenerationFields,
+async def _generate(request: Request, body: GenerationFields,
                     translated: tuple[generate_pb2.GenerateRequest, RestOptions]) -> Response:
     pipeline = _pipeline(request)
     bad = body.unsupported()

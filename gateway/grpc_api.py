@@ -17,7 +17,8 @@ import grpc
 from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from gateway.auth import ApiKeyAuth
 from gateway.errors import GatewayError, clip_message, grpc_message
-from gateway.pipeline import GenerationStream, Pipeline
+from gateway.pipeline import Pipeline
+from gateway.stream import GenerationStream
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):

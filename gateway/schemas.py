@@ -1,11 +1,13 @@
-"""Pydantic models of the REST request bodies (OpenAI fields + our extensions) and their bounds.
+"""Pydantic models of the REST request bodies (OpenAI fields + our extensions).
 
-Bounds come from `cde.limits` (shared with steering_svc and the worker); the gRPC API, which has
-no pydantic layer, checks the same ones in gateway.pipeline, and so do the model-dependent ones
-(inject_layer, tokens_per_step, max_tokens against the context) for REST. A value outside a bound
-is a *semantic* error (HTTP 400); a value of the wrong type or shape is a *schema* error (HTTP 422) - see app._validation_status.
-Top-level unknown fields are ignored (OpenAI clients send vendor fields freely); our extension
-objects forbid unknown keys so a typo such as "strenght" fails loudly instead of being ignored.
+Each field declares its bound with cde.limits' constants, so /openapi.json states it and a value
+outside it is refused before translation; the bounds a schema cannot know (the model's
+inject_layer and tokens_per_step, the server's max_tokens limit, the context) and everything
+the gRPC API receives are checked by cde.limits' check functions in gateway.resolve. A value
+outside a bound is a *semantic* error (HTTP 400); a value of the wrong type or shape is a
+*schema* error (HTTP 422) - see app._validation_status. Top-level unknown fields are ignored
+(OpenAI clients send vendor fields freely); our extension objects forbid unknown keys so a typo
+such as "strenght" fails loudly instead of being ignored.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# ---- bounds shared with the gRPC API, steering_svc and the worker (all from cde.limits) ------
-from cde.limits import (  # re-exported: gateway.pipeline reads them as schemas.X
-    AMPLIFY_INJECT_LAYER,
+from cde import limits as L
+from cde.limits import (
     AMPLIFY_TARGET,
     ATTRIBUTION_TOP_K_MAX,
     CONCEPT_NAME_MAX,
@@ -36,7 +37,6 @@ from cde.limits import (  # re-exported: gateway.pipeline reads them as schemas.
     MAX_TOKENS_LIMIT,
     N_MAX,
     REPETITION_PENALTY_MAX,
-    SEARCH_LIMIT_MAX,
     STEERLING_SAMPLING,
     STRENGTH_MAX,
     SUPPRESS_TARGET,
@@ -80,10 +80,10 @@ class SteeringIn(_Ext):
     concepts: Annotated[list[SteeringConceptIn], Field(min_length=1, max_length=MAX_CONCEPTS,
                                                        description=f"1 to {MAX_CONCEPTS} known, steerable concepts")]
     mode: Literal["amplify", "suppress"] = "amplify"
-    # The model's layer count is not known to the schema: gateway.pipeline checks [1, n_layers].
+    # The model's layer count is not known to the schema: gateway.resolve checks [1, n_layers].
     inject_layer: Annotated[int, Field(ge=1, le=U32_MAX, description=(
-        f"first layer (from 1) that gets the direction, in [1, n_layers]; default amplify "
-        f"min({AMPLIFY_INJECT_LAYER}, n_layers), suppress max(1, n_layers // 2)"))] | None = None
+        f"first layer (from 1) that gets the direction, in [1, n_layers]; default {L.INJECT_LAYER_DEFAULT_TEXT}"))] \
+        | None = None
     schedule: Literal["default", "fixed", "hard_cutoff"] = "default"
     cutoff: Annotated[int, Field(ge=CUTOFF_MIN, le=CUTOFF_MAX, description=(
         f"hard_cutoff: tokens steered before steering stops, [{CUTOFF_MIN}, {CUTOFF_MAX}], "
@@ -95,13 +95,12 @@ class SteeringIn(_Ext):
 
     @model_validator(mode="after")
     def _cutoff_needs_hard_cutoff(self) -> SteeringIn:
-        if self.cutoff is not None and self.schedule == "fixed":
-            raise ValueError("'cutoff' only applies to schedule 'hard_cutoff'")
+        L.check_cutoff_applies(self.cutoff is not None, self.schedule)   # a LimitError is a ValueError
         return self
 
 
 class DecodeIn(_Ext):
-    # The block size is the model's: gateway.pipeline checks the upper bound.
+    # The block size is the model's: gateway.resolve checks the upper bound.
     tokens_per_step: Annotated[int, Field(ge=1, le=U32_MAX, description=(
         f"positions committed per denoising step, [1, diffusion block size]; default {DEFAULT_TOKENS_PER_STEP}"))] \
         | None = None
@@ -122,7 +121,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationFields(BaseModel):
+class GenerationFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions.
 
     OpenAI mapping: `temperature` set => the model's entropy-adaptive temperature is turned off
@@ -140,7 +139,7 @@ class _GenerationFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    # --max-tokens-limit and the context are the server's and the model's: gateway.pipeline checks them.
+    # --max-tokens-limit and the context are the server's and the model's: gateway.resolve checks them.
     max_tokens: Annotated[int, Field(ge=1, le=U32_MAX, description=(
         f"[1, --max-tokens-limit (default {MAX_TOKENS_LIMIT})], prompt + max_tokens within the context; "
         f"default {DEFAULT_MAX_TOKENS}"))] | None = None
@@ -187,7 +186,7 @@ class _GenerationFields(BaseModel):
         return None
 
 
-class CompletionRequest(_GenerationFields):
+class CompletionRequest(GenerationFields):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | \
         Annotated[list[Annotated[int, Field(ge=0, le=U32_MAX)]], Field(min_length=1)]
     echo: bool = False
@@ -223,7 +222,7 @@ class ChatMessageIn(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_GenerationFields):
+class ChatCompletionRequest(GenerationFields):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=U32_MAX, description="as max_tokens (wins over it)")] | \
         None = None

@@ -16,7 +16,7 @@ from cde.rpc.v1 import common_pb2, generate_pb2
 from cde.steerling.tokenizer import Tokenizer
 from gateway.detok import token_text
 from gateway.errors import utf8_safe
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
 
 _ATTRIBUTION = {"none": common_pb2.ATTRIBUTION_NONE, "tokens": common_pb2.ATTRIBUTION_TOKENS,
                 "chunks": common_pb2.ATTRIBUTION_CHUNKS, "all": common_pb2.ATTRIBUTION_ALL}
@@ -34,7 +34,7 @@ class RestOptions:
     steps: bool
 
 
-def _common(body: _GenerationFields, req: generate_pb2.GenerateRequest, max_tokens: int | None) -> None:
+def _common(body: GenerationFields, req: generate_pb2.GenerateRequest, max_tokens: int | None) -> None:
     req.model = utf8_safe(body.model or "")
     d = req.decode
     if max_tokens is not None:
@@ -83,7 +83,7 @@ def _common(body: _GenerationFields, req: generate_pb2.GenerateRequest, max_toke
     req.stream_steps = body.stream and body.stream_mode == "steps"
 
 
-def _options(body: _GenerationFields, chat: bool) -> RestOptions:
+def _options(body: GenerationFields, chat: bool) -> RestOptions:
     stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return RestOptions(chat=chat, stream=body.stream,
                        include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),

@@ -1,4 +1,5 @@
-"""Client side of attribution_svc: one Attribute stream per request, round-robin over replicas.
+"""Client side of attribution_svc: one Attribute stream per request, round-robin over replicas,
+whose answers are added to each block before it is stored.
 
 The service keeps a request's still-open chunk for the life of its stream, so a stream
 that breaks is reopened on the next replica and first fed the request's earlier blocks
@@ -17,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 
 from cde.rpc.internal_auth import internal_channel
-from cde.rpc.v1 import attribution_pb2, attribution_pb2_grpc, common_pb2
+from cde.rpc.v1 import attribution_pb2, attribution_pb2_grpc, common_pb2, scheduler_pb2
 
 log = logging.getLogger("scheduler_svc.attribution")
 
@@ -87,6 +88,13 @@ class AttributionSession:
         for old in await self.history():   # rebuild the open chunk's state on the new stream
             await self._exchange(self._request(old, False))
 
+    async def attach(self, block: common_pb2.BlockCommitted, last: bool) -> None:
+        """Add the block's attributions to it (none when no replica answers)."""
+        resp = await self.attribute(block, last)
+        if resp is not None:
+            block.token_attributions.extend(resp.token_attributions)
+            block.chunk_attributions.extend(resp.chunk_attributions)
+
     async def attribute(self, block: common_pb2.BlockCommitted, last: bool) -> attribution_pb2.AttributeResponse | None:
         for attempt in range(len(self.pool) + 1):
             try:
@@ -114,3 +122,13 @@ class AttributionSession:
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, Exception):
                 pass
             self._drop()
+
+
+def attribution_session(pool: AttributionPool | None, request: scheduler_pb2.SubmitRequest,
+                        history: Callable[[], Awaitable[list[common_pb2.BlockCommitted]]]) -> AttributionSession | None:
+    """The request's Attribute stream; None when it asked for no attributions or no replica
+    is configured."""
+    if pool is None or request.attribution == common_pb2.ATTRIBUTION_NONE:
+        return None
+    return AttributionSession(pool, request.request_id, request.model, request.attribution,
+                              request.attribution_top_k, set(request.options.stop_ids), history)

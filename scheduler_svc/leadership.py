@@ -31,13 +31,11 @@ import logging
 import socket
 import time
 
-import grpc
 import redis.asyncio as aioredis
 import redis.exceptions
 from grpc_health.v1 import health_pb2
 
 from scheduler_svc.fencing import WriteGuard
-from scheduler_svc.run import End
 
 log = logging.getLogger("scheduler_svc.leadership")
 
@@ -240,10 +238,7 @@ class LeaderLoop:
         await self._standby_health(health)
         runs = list(core.runs.values())
         for run in runs:
-            run._end(End(code=grpc.StatusCode.UNAVAILABLE, final=False,
-                         message=f"scheduler {self.leadership.instance} stepped down ({why}); retry"))
-            if run.task is not None:
-                run.task.cancel()
+            run.hand_over(f"scheduler {self.leadership.instance} stepped down ({why}); retry")
         tasks = [r.task for r in runs if r.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=5)

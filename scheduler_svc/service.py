@@ -43,11 +43,14 @@ from cde.rpc.serving import serve_until_signal
 from cde.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.admission import Admission
 from scheduler_svc.attribution_pool import attribution_pool
+from scheduler_svc.endings import stored_finished
+from scheduler_svc.fanout import End, Subscriber
 from scheduler_svc.fencing import WriteGuard
 from scheduler_svc.leadership import LeaderLoop, Leadership, default_instance_id
-from scheduler_svc.run import End, RequestRun, RunContext, RunLimits, Subscriber, stored_finished
+from scheduler_svc.run import RequestRun
+from scheduler_svc.run_context import RunContext, RunLimits
 from scheduler_svc.spec import accepted, check_submit, decode_spec, encode_spec, stored_after
-from scheduler_svc.state import RequestStore, _check_id
+from scheduler_svc.state import RequestStore, check_request_id
 from scheduler_svc.workers import WorkerIdTaken, WorkerPool
 
 log = logging.getLogger("scheduler_svc")
@@ -59,7 +62,7 @@ REDIS_PING_TIMEOUT_S = 1.0
 # Trailing metadata on an error that ended the request itself (not a transport or Redis
 # hiccup): a client reattaching by itself must report it instead of retrying.
 REQUEST_ENDED_MD = "cde-request-ended"
-# Submit / Resume metadata: the stream's id, which a Detach names (gateway/pipeline.py sends both).
+# Submit / Resume metadata: the stream's id, which a Detach names (gateway/stream.py sends both).
 ATTACH_MD = "cde-attach-id"
 # Seconds a request outlives its last stream when that stream broke without a Detach: at least
 # the gateway's reattach window (gateway --reattach-s, 30 s), so a client of a gateway process
@@ -282,9 +285,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return ""
 
     @staticmethod
-    async def _check_id(context, request_id: str) -> None:
+    async def _check_request_id(context, request_id: str) -> None:
         try:
-            _check_id("request id", request_id)
+            check_request_id(request_id)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -294,7 +297,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         await self._ready(context)
         core = self.core
         rid = request.request_id
-        await self._check_id(context, rid)
+        await self._check_request_id(context, rid)
         problem = check_submit(request)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
@@ -342,7 +345,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     @_redis_guard_stream
     async def Resume(self, request, context):
         await self._ready(context)
-        await self._check_id(context, request.request_id)
+        await self._check_request_id(context, request.request_id)
         after = request.after_block if request.HasField("after_block") else None
         async for ev in self._attach(request.request_id, after, False, context):
             yield ev
@@ -420,7 +423,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Cancel(self, request, context):
         await self._ready(context)
         rid = request.request_id
-        await self._check_id(context, rid)
+        await self._check_request_id(context, rid)
         run = self.core.runs.get(rid)
         if run is not None and not run.done:
             ok = run.cancel("cancelled by request")
@@ -434,7 +437,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """The client of the stream ``attach_id`` left: cancel now unless another stream is attached."""
         await self._ready(context)
         rid = request.request_id
-        await self._check_id(context, rid)
+        await self._check_request_id(context, rid)
         run = self.core.runs.get(rid)
         if run is None or run.done:   # ended, or streamed by no run here: nothing waits on this stream
             return common_pb2.CancelResponse(cancelled=False)

@@ -71,7 +71,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-__all__ = ["RequestState", "RequestStore", "STATUSES", "TERMINAL", "APPEND_RESULTS"]
+__all__ = ["RequestState", "RequestStore", "STATUSES", "TERMINAL", "APPEND_RESULTS", "check_request_id",
+           "check_worker_id"]
 
 QUEUED, RUNNING, FINISHED, FAILED, CANCELLED = "queued", "running", "finished", "failed", "cancelled"
 STATUSES = (QUEUED, RUNNING, FINISHED, FAILED, CANCELLED)
@@ -260,14 +261,32 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def _check_id(what: str, value: str) -> str:
+def _shown(value) -> str:
+    """``value`` as an error message quotes it: at most 64 characters, so the message always fits
+    gRPC's metadata (an 8 KiB soft limit, past which peers drop the status at random)."""
+    text = repr(value)
+    return text if len(text) <= 64 else f"{text[:64]}... ({len(value)} chars)"
+
+
+def _check_key_part(what: str, value: str) -> str:
     if not isinstance(value, str) or not value or len(value) > 512:
-        raise ValueError(f"{what} must be a non-empty str of at most 512 chars, got {value!r}")
+        raise ValueError(f"{what} must be a non-empty str of at most 512 chars, got {_shown(value)}")
     if any(c.isspace() or ord(c) < 32 for c in value):
-        raise ValueError(f"{what} must not contain whitespace or control characters: {value!r}")
-    if what == "request id" and value.endswith(":blocks"):
-        raise ValueError(f"request id must not end with ':blocks': {value!r}")
+        raise ValueError(f"{what} must not contain whitespace or control characters: {_shown(value)}")
     return value
+
+
+def check_request_id(request_id: str) -> str:
+    """``request_id``, if it can name a request's keys (ValueError says why not)."""
+    _check_key_part("request id", request_id)
+    if request_id.endswith(":blocks"):   # would collide with another request's blocks key
+        raise ValueError(f"request id must not end with ':blocks': {_shown(request_id)}")
+    return request_id
+
+
+def check_worker_id(worker_id: str) -> str:
+    """``worker_id``, if it can name a ``running:{worker}`` key (ValueError says why not)."""
+    return _check_key_part("worker id", worker_id)
 
 
 def _check_nonneg(what: str, value) -> int:
@@ -324,9 +343,9 @@ class RequestStore:
         """absent -> queued; with ``worker``, absent -> running there (as `claim` would leave it,
         next block 0, attempt 0: one round trip instead of two when a worker is free at once).
         False (and nothing changes) when the id already exists."""
-        _check_id("request id", request_id)
+        check_request_id(request_id)
         if worker is not None:
-            _check_id("worker id", worker)
+            check_worker_id(worker)
         _check_nonneg("prompt_tokens", prompt_tokens)
         if isinstance(spec, (bytes, bytearray)):
             spec = bytes(spec).decode("utf-8")
@@ -341,8 +360,8 @@ class RequestStore:
     async def claim(self, request_id: str, worker: str) -> Claimed | None:
         """queued -> running on ``worker``: the request's `Claimed` state, read in the same
         script; None (nothing changes) unless the request is queued."""
-        _check_id("request id", request_id)
-        _check_id("worker id", worker)
+        check_request_id(request_id)
+        check_worker_id(worker)
         r = await self._claim(
             keys=[self.req_key(request_id), self.queue_key, self.counts_key,
                   self.running_key(worker)],
@@ -358,7 +377,7 @@ class RequestStore:
         ``"stored"``, ``"duplicate"`` (index already committed), ``"out_of_order"`` (index
         beyond ``next_block``), ``"not_running"`` (request absent, not running, or running
         under another attempt than ``attempt``)."""
-        _check_id("request id", request_id)
+        check_request_id(request_id)
         _check_nonneg("block_index", block_index)
         _check_nonneg("n_tokens", n_tokens)
         if attempt is not None:
@@ -374,7 +393,7 @@ class RequestStore:
 
     async def _end(self, request_id: str, status: str, field: str, value: str,
                    attempt: int | None, ending: bytes | None) -> bool:
-        _check_id("request id", request_id)
+        check_request_id(request_id)
         if attempt is not None:
             _check_nonneg("attempt", attempt)
         if ending is not None and (not isinstance(ending, (bytes, bytearray)) or not ending):
@@ -406,9 +425,9 @@ class RequestStore:
     async def requeue(self, request_id: str, worker: str | None = None) -> bool:
         """running -> queued (attempt += 1, worker cleared). With ``worker``, only if the
         request runs on that worker (and a stale entry in that worker's set is dropped)."""
-        _check_id("request id", request_id)
+        check_request_id(request_id)
         if worker is not None:
-            _check_id("worker id", worker)
+            check_worker_id(worker)
         r = await self._requeue(
             keys=[self.req_key(request_id), self.queue_key, self.counts_key],
             args=[request_id, worker or "", self._running_prefix])
@@ -417,7 +436,7 @@ class RequestStore:
     async def requeue_worker(self, worker: str) -> list[str]:
         """Move every request running on a dead ``worker`` back to the queue (one atomic
         script per request). Returns the requeued ids, sorted."""
-        _check_id("worker id", worker)
+        check_worker_id(worker)
         moved: list[str] = []
         for _ in range(100):  # the set only shrinks unless the dead worker keeps claiming
             ids = sorted(_s(x) for x in await self.redis.smembers(self.running_key(worker)))
@@ -432,7 +451,7 @@ class RequestStore:
         """Record how a request ended (opaque bytes). The first ending wins (NX) and it expires
         with the request (``finished_ttl_s``): call it right after the terminal transition.
         False when an ending was already saved."""
-        _check_id("request id", request_id)
+        check_request_id(request_id)
         if not isinstance(payload, (bytes, bytearray)):
             raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
         return bool(await self.redis.set(self.end_key(request_id), bytes(payload), ex=self.finished_ttl_s, nx=True))
@@ -440,12 +459,12 @@ class RequestStore:
     # ----------------------------------------------------------------- reads
     async def ending(self, request_id: str) -> bytes | None:
         """The saved ending of ``save_ending``, or None."""
-        _check_id("request id", request_id)
+        check_request_id(request_id)
         v = await self.redis.get(self.end_key(request_id))
         return None if v is None else bytes(v)
 
     async def get(self, request_id: str) -> RequestState | None:
-        _check_id("request id", request_id)
+        check_request_id(request_id)
         h = await self.redis.hgetall(self.req_key(request_id))
         if not h:
             return None
@@ -467,7 +486,7 @@ class RequestStore:
 
     async def blocks(self, request_id: str, after: int = -1) -> list[tuple[int, bytes]]:
         """Committed blocks with index > ``after``, in index order (one atomic read)."""
-        _check_id("request id", request_id)
+        check_request_id(request_id)
         if isinstance(after, bool) or not isinstance(after, int) or after < -1:
             raise ValueError(f"after must be an int >= -1, got {after!r}")
         flat = await self._blocks(
@@ -489,7 +508,7 @@ class RequestStore:
         return sorted(ids)
 
     async def running_ids(self, worker: str) -> list[str]:
-        _check_id("worker id", worker)
+        check_worker_id(worker)
         return sorted(_s(x) for x in await self.redis.smembers(self.running_key(worker)))
 
     async def counts(self) -> dict[str, int]:
@@ -517,17 +536,17 @@ class RequestStore:
     # --------------------------------------------------------------- workers
     async def register_worker(self, worker_id: str, info: dict) -> None:
         """Create or replace the worker's record; its heartbeat is now (server clock)."""
-        _check_id("worker id", worker_id)
+        check_worker_id(worker_id)
         await self._register_worker(keys=[self.workers_key],
                                     args=[worker_id, json.dumps(info, separators=(",", ":"))])
 
     async def heartbeat(self, worker_id: str) -> bool:
         """Refresh the heartbeat. False if the worker is not registered."""
-        _check_id("worker id", worker_id)
+        check_worker_id(worker_id)
         return bool(await self._heartbeat(keys=[self.workers_key], args=[worker_id]))
 
     async def remove_worker(self, worker_id: str) -> bool:
-        _check_id("worker id", worker_id)
+        check_worker_id(worker_id)
         return bool(await self._remove_worker(keys=[self.workers_key], args=[worker_id]))
 
     async def workers(self) -> dict[str, dict]:

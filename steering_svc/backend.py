@@ -7,15 +7,19 @@ suppress relu mask and a concept's top tokens need all of it) and the discovered
 factors (rank r, for discovered concepts' top tokens). The transformer is never loaded, so the
 service starts in seconds and stays small even for Steerling-8B.
 
-Every public method takes and returns cde.v1 messages and raises `RequestError` with the
-gRPC status the caller must answer; the servicer only translates.
+Steering requests arrive resolved (the gateway fills every default: gateway.resolve.
+resolved_steering), so an unset target, inject_layer or cutoff, a strength of 0 or the DEFAULT
+schedule is refused rather than defaulted. Bounds are cde.limits' check functions, the ones the
+gateway applies. Every public method takes and returns cde.v1 messages and raises
+`RequestError` with the gRPC status the caller must answer; the servicer only translates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -36,12 +40,8 @@ DISC_COEF = "unknown_head.embedding_coef.weight"    # discovered embedding = bas
 DISC_BASIS = "unknown_head.embedding_basis.weight"
 TOP_TOKEN_ROWS = 16384   # LM-head rows scored at once: bounds the fp32 temporary (8B: 256 MiB)
 
-# Bounds and defaults: cde.limits (the gateway checks the same ones first). Search limits above
-# the maximum are clamped: a search answer is for people, not bulk export.
-
 _SCHEDULES = {"fixed": common_pb2.STEERING_SCHEDULE_FIXED, "hard_cutoff": common_pb2.STEERING_SCHEDULE_HARD_CUTOFF}
-_SCHEDULE_OVERRIDES = {common_pb2.STEERING_SCHEDULE_FIXED: "fixed",
-                       common_pb2.STEERING_SCHEDULE_HARD_CUTOFF: "hard_cutoff"}
+_SCHEDULE_NAMES = {value: name for name, value in _SCHEDULES.items()}
 
 
 class RequestError(Exception):
@@ -65,6 +65,15 @@ def _invalid(message: str, field: str | None = None) -> RequestError:
 
 def _not_found(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.NOT_FOUND, message)
+
+
+@contextlib.contextmanager
+def _limit_errors_as_invalid() -> Iterator[None]:
+    """A cde.limits check that fails inside becomes INVALID_ARGUMENT naming the field."""
+    try:
+        yield
+    except L.LimitError as e:
+        raise _invalid(e.message, e.path) from None
 
 
 def concept_message(c: Concept) -> common_pb2.Concept:
@@ -107,24 +116,19 @@ class SteeringBackend:
     # ---- catalog ------------------------------------------------------------------------
     def search(self, request: common_pb2.SearchConceptsRequest) -> common_pb2.SearchConceptsResponse:
         self.check_model(request.model)
-        query = request.query.strip()
-        if not query:
-            raise _invalid("query must not be empty")
-        if len(request.query) > L.SEARCH_QUERY_MAX_CHARS:
-            raise _invalid(f"query is {len(request.query)} characters; at most {L.SEARCH_QUERY_MAX_CHARS}")
-        limit = min(request.limit or L.DEFAULT_SEARCH_LIMIT, L.SEARCH_LIMIT_MAX)
-        hits = self.catalog.search(query, limit, request.known_only)
+        with _limit_errors_as_invalid():
+            L.check_search(request.query, request.limit)
+        hits = self.catalog.search(request.query.strip(), request.limit or L.DEFAULT_SEARCH_LIMIT, request.known_only)
         return common_pb2.SearchConceptsResponse(concepts=[concept_message(c) for c in hits])
 
     def list_concepts(self, request: steering_pb2.ListConceptsRequest) -> steering_pb2.ListConceptsResponse:
         self.check_model(request.model)
-        limit = request.limit or L.DEFAULT_LIST_LIMIT
-        if limit > L.LIST_LIMIT_MAX:
-            raise _invalid(f"limit {limit} is outside [1, {L.LIST_LIMIT_MAX}]")
+        with _limit_errors_as_invalid():
+            L.check_list_limit(request.limit)
         if request.head and request.head not in HEADS:
             raise _invalid(f"head {request.head!r} is not one of {', '.join(HEADS)}")
         concepts, more = self.catalog.page(
-            limit, request.after if request.HasField("after") else None, request.head or None,
+            request.limit or L.DEFAULT_LIST_LIMIT, request.after if request.HasField("after") else None, request.head or None,
             request.group_id if request.HasField("group_id") else None,
             request.steerable if request.HasField("steerable") else None)
         return steering_pb2.ListConceptsResponse(concepts=[concept_message(c) for c in concepts], has_more=more)
@@ -133,8 +137,8 @@ class SteeringBackend:
         """The concept and its top tokens; reads the whole LM head (callers keep it off the event loop)."""
         self.check_model(request.model)
         k = request.top_tokens if request.HasField("top_tokens") else L.DEFAULT_TOP_TOKENS
-        if k > L.TOP_TOKENS_MAX:
-            raise _invalid(f"top_tokens {k} is outside [0, {L.TOP_TOKENS_MAX}]")
+        with _limit_errors_as_invalid():
+            L.check_top_tokens(k)
         c = self._lookup("concept_id", request.concept_id, "")
         out = steering_pb2.ConceptDetail(concept=concept_message(c))
         if k:
@@ -184,15 +188,15 @@ class SteeringBackend:
 
     # ---- steering -----------------------------------------------------------------------
     def resolve(self, steering: common_pb2.SteeringRequest) -> tuple[list[int], list[float]]:
-        """Known-concept ids and their direction weights, in request order; raises RequestError."""
-        if not steering.concepts:
-            raise _invalid("steering needs at least one concept", "steering.concepts")
-        if len(steering.concepts) > L.MAX_CONCEPTS:
-            raise _invalid(f"{len(steering.concepts)} concepts; at most {L.MAX_CONCEPTS}", "steering.concepts")
+        """Known-concept ids and their strengths, in request order; raises RequestError."""
+        with _limit_errors_as_invalid():
+            L.check_concept_count(len(steering.concepts))
         ids: list[int] = []
-        weights: list[float] = []
+        strengths: list[float] = []
         for i, sc in enumerate(steering.concepts):
             ref = sc.WhichOneof("ref")
+            with _limit_errors_as_invalid():
+                L.check_concept(i, sc.name if ref == "name" else sc.concept_id if ref else None, None)
             field = f"steering.concepts[{i}].{'name' if ref == 'name' else 'id'}"
             try:
                 c = self._lookup(ref, sc.concept_id, sc.name)
@@ -206,57 +210,45 @@ class SteeringBackend:
                 raise _invalid(f"concept {asked} ({c.name}) is not steerable", field)
             if c.concept_id in ids:
                 raise _invalid(f"concept {asked} ({c.name}) is given twice", field)
-            # 0 is the proto default: unset, i.e. the default strength
-            if not math.isfinite(sc.strength) or not 0.0 <= sc.strength <= L.STRENGTH_MAX:
-                raise _invalid(f"concept {asked}: strength {sc.strength} is outside (0, {L.STRENGTH_MAX:g}]",
-                               f"steering.concepts[{i}].strength")
+            with _limit_errors_as_invalid():
+                L.check_strength(i, sc.strength)
             ids.append(c.concept_id)
-            weights.append(sc.strength or L.DEFAULT_STRENGTH)
-        return ids, weights
+            strengths.append(sc.strength)
+        return ids, strengths
 
     def spec(self, steering: common_pb2.SteeringRequest) -> tuple[SteeringSpec, list[float]]:
-        """The SteeringSpec a request means, with one relative direction weight per spec concept.
+        """The SteeringSpec a resolved request means, with one relative direction weight per
+        spec concept.
 
         The largest strength becomes the spec's `strength` (the magnitude: alpha times it), the
         strengths over it weight the direction (cde.steerling.steering's module docstring)."""
         ids, strengths = self.resolve(steering)
         scale = max(strengths)
         weights = [w / scale for w in strengths]
-        target = None
-        if steering.HasField("target"):
-            target = steering.target
-            if not math.isfinite(target) or abs(target) > L.TARGET_ABS_MAX:
-                raise _invalid(f"target {target} is outside [-{L.TARGET_ABS_MAX:g}, {L.TARGET_ABS_MAX:g}]",
-                               "steering.target")
-        amplify = steering.mode == common_pb2.STEERING_MODE_AMPLIFY
-        layer = L.default_inject_layer(self.cfg.n_layers, amplify)
-        if steering.HasField("inject_layer"):
-            layer = steering.inject_layer
-            lo, hi = L.inject_layer_bounds(self.cfg.n_layers)
-            if not lo <= layer <= hi:
-                raise _invalid(f"inject_layer {layer} is outside [{lo}, {hi}]", "steering.inject_layer")
-        cutoff = L.DEFAULT_CUTOFF
-        if steering.HasField("cutoff_tokens"):
-            cutoff = steering.cutoff_tokens
-            if not L.CUTOFF_MIN <= cutoff <= L.CUTOFF_MAX:
-                raise _invalid(f"cutoff_tokens {cutoff} is outside [{L.CUTOFF_MIN}, {L.CUTOFF_MAX}]", "steering.cutoff")
-        if steering.schedule != common_pb2.STEERING_SCHEDULE_DEFAULT and steering.schedule not in _SCHEDULE_OVERRIDES:
-            raise _invalid(f"unknown steering schedule {steering.schedule}", "steering.schedule")
-
-        if amplify:
-            spec = SteeringSpec.amplify(ids, L.AMPLIFY_TARGET if target is None else target, layer, cutoff)
+        for name, present in (("target", steering.HasField("target")),
+                              ("inject_layer", steering.HasField("inject_layer")),
+                              ("cutoff", steering.HasField("cutoff_tokens"))):
+            if not present:
+                raise _invalid(f"steering.{name} is required (the gateway resolves every steering default)",
+                               f"steering.{name}")
+        with _limit_errors_as_invalid():
+            L.check_steering_settings(steering.target, steering.inject_layer, steering.cutoff_tokens,
+                                      self.cfg.n_layers)
+        schedule = _SCHEDULE_NAMES.get(steering.schedule)
+        if schedule is None:
+            raise _invalid(f"steering.schedule {steering.schedule} is not fixed or hard_cutoff (the gateway "
+                           "resolves the default)", "steering.schedule")
+        if steering.mode == common_pb2.STEERING_MODE_AMPLIFY:
+            spec = SteeringSpec.amplify(ids, steering.target, steering.inject_layer, steering.cutoff_tokens)
         elif steering.mode == common_pb2.STEERING_MODE_SUPPRESS:
             focal, given = ids[0], dict(zip(ids, weights))
             group = list(dict.fromkeys(ids[1:] + self.catalog.group_neighbours(focal)))
-            spec = SteeringSpec.suppress(focal, group, L.SUPPRESS_TARGET if target is None else target, layer)
-            spec = dataclasses.replace(spec, cutoff_tokens=cutoff)
+            spec = SteeringSpec.suppress(focal, group, steering.target, steering.inject_layer)
+            spec = dataclasses.replace(spec, cutoff_tokens=steering.cutoff_tokens)
             weights = [given.get(c, given[focal]) for c in spec.concept_ids]  # neighbours weigh as the focal concept
         else:
             raise _invalid(f"unknown steering mode {steering.mode}", "steering.mode")
-        spec = dataclasses.replace(spec, strength=scale)
-        if steering.schedule != common_pb2.STEERING_SCHEDULE_DEFAULT:
-            spec = dataclasses.replace(spec, schedule=_SCHEDULE_OVERRIDES[steering.schedule])
-        return spec, weights
+        return dataclasses.replace(spec, strength=scale, schedule=schedule), weights
 
     def build(self, request) -> common_pb2.PreparedSteering:
         """BuildSteeringRequest -> PreparedSteering (fp32 vectors as little-endian bytes)."""

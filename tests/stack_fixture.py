@@ -40,6 +40,7 @@ from cde.launch import ROOT, TINY_MODEL, Service, Stack
 from cde.redis_util import free_port
 from cde.rpc.internal_auth import internal_channel
 from cde.rpc.v1 import common_pb2, generate_pb2, worker_pb2, worker_pb2_grpc
+from cde.sse import parse_sse_line
 
 MODEL = "steerling-tiny"
 PROMPT = "Tell me about the sea."
@@ -172,14 +173,6 @@ def chat_body(seed: int, max_tokens: int, stream: bool = True, content: str = PR
         body["stream_options"] = {"include_usage": True}
     body.update(extra)
     return body
-
-
-def parse_sse_line(line: str) -> dict | None:
-    """The JSON of one ``data:`` line; None for other lines and for ``[DONE]``."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    return None if data == "[DONE]" else json.loads(data)
 
 
 class StreamResult:

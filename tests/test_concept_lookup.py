@@ -22,6 +22,7 @@ from cde.rpc import channel_options
 from cde.rpc.v1 import common_pb2, steering_pb2, steering_pb2_grpc
 from cde.steerling.catalog import DISCOVERED_FILE
 from cde.steerling.config import SteerlingConfig
+from gateway.resolve import resolved_steering
 from steering_svc import service as steering_service
 
 pytestmark = pytest.mark.contract
@@ -73,8 +74,9 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
 
 
 def steer(*concepts: common_pb2.SteeringConcept) -> steering_pb2.BuildSteeringRequest:
-    return steering_pb2.BuildSteeringRequest(steering=common_pb2.SteeringRequest(
-        concepts=list(concepts), mode=common_pb2.STEERING_MODE_AMPLIFY))
+    """An amplify request as the gateway sends it: every default filled in."""
+    request = common_pb2.SteeringRequest(concepts=list(concepts), mode=common_pb2.STEERING_MODE_AMPLIFY)
+    return steering_pb2.BuildSteeringRequest(steering=resolved_steering(request, SteerlingConfig.load(SMALL).n_layers))
 
 
 def test_every_discovered_id_resolves_lists_and_describes(small: Steering, cfg: SteerlingConfig) -> None:

@@ -43,6 +43,7 @@ from cde.steerling.model import KnownIntervention, SteeringInputs
 from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.tokenizer import CL100K_PAT_STR, load_model_tokenizer
+from tests.numerics import rel_err
 from tests.oracle import assert_same_topk
 from tests.seeding import draw_seed
 
@@ -79,10 +80,6 @@ def _directory_bpe_only(monkeypatch):
     uses the same table): CDE_CL100K_BPE, which the test command sets to the real file, would
     give our side the real ranks instead."""
     monkeypatch.delenv("CDE_CL100K_BPE", raising=False)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
 # ---- the package's code path ---------------------------------------------------------------

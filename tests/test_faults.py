@@ -232,7 +232,7 @@ def test_scheduler_killed_and_restarted_clients_resume_and_get_the_same_text(tmp
             assert st.text == ref.text, seed
             tokens += len(st.tokens)
         resumed = sum(1 for st in states if st.resumes)
-        # the gateway reattaches by itself now (gateway/pipeline.py), so clients rarely need Resume
+        # the gateway reattaches by itself now (gateway/stream.py), so clients rarely need Resume
         reattached = (stack.run_dir / "gateway.log").read_text(errors="replace").count("reattaching")
         assert resumed + reattached >= 1, "no stream broke: the kill hit nothing"
         assert all_alive(stack) == {}

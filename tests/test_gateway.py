@@ -290,9 +290,11 @@ def test_api_keys_and_token_bucket() -> None:
 
 def test_gateway_sampling_defaults_match_the_model_sampler() -> None:
     from cde.steerling.sampling import SamplingParams
-    from gateway.pipeline import DEFAULT_SAMPLING
+    from gateway.resolve import Limits, ModelCard, RequestResolver
+    got = RequestResolver(ModelCard.load(MODEL_DIR), None, Limits()).resolve_sampling(common_pb2.SamplingOptions())
     p = SamplingParams()
-    assert DEFAULT_SAMPLING == {k: getattr(p, k) for k in DEFAULT_SAMPLING}
+    assert (got.use_entropy_sampling, got.temperature, got.top_p, got.repetition_penalty) == pytest.approx(
+        (p.use_entropy_sampling, p.temperature, p.top_p, p.repetition_penalty))
 
 
 # ---- REST: generation ----------------------------------------------------------------------
@@ -440,6 +442,15 @@ def test_steering_is_resolved_through_steering_svc(client: httpx.Client, stack: 
     assert s.inject_layer == 1 and s.target == -5.0 and s.schedule == common_pb2.STEERING_SCHEDULE_HARD_CUTOFF
     sub = stack.scheduler.submits[0]
     assert list(sub.steering.concept_ids) == [0, 1] and sub.steering.model == MODEL
+    # unset fields reach steering_svc as the mode's preset: the gateway is where defaults are chosen
+    stack.steering.builds.clear()
+    for mode, target, layer, schedule in (
+            ("amplify", 8.0, 1, common_pb2.STEERING_SCHEDULE_HARD_CUTOFF),   # ceil(8 * 4 / 32) of 4 layers
+            ("suppress", -7.0, 2, common_pb2.STEERING_SCHEDULE_FIXED)):
+        assert completion(client, steering={"concepts": [{"id": 1}], "mode": mode}).status_code == 200
+        s = stack.steering.builds[-1].steering
+        assert (s.target, s.inject_layer, s.schedule, s.cutoff_tokens) == (target, layer, schedule, 32), mode
+        assert s.concepts[0].strength == 1.0
 
 
 # ---- REST: errors ----------------------------------------------------------------------------

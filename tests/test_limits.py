@@ -2,9 +2,11 @@
 
 Each bound is tried at its extremes (accepted) and one step past them (refused with a 400, or
 INVALID_ARGUMENT, naming the field): over REST and the public gRPC API through the whole stack
-(gateway, steering_svc, scheduler, worker as real processes), and on steering_svc's and the
-worker's own gRPC faces, which must agree with the gateway. Also: cde.limits imports without
-torch, the README's Limits table is the generated one, and /openapi.json carries the bounds.
+(gateway, steering_svc, scheduler, worker as real processes), and on steering_svc's own gRPC
+face, which applies the same checks to the requests the gateway resolved. The worker's face
+runs every extreme and refuses only what it alone knows. Also: cde.limits imports without
+torch, its check functions name the field, the README's Limits table is the generated one, and
+/openapi.json carries the bounds.
 """
 
 from __future__ import annotations
@@ -95,6 +97,79 @@ def test_model_dependent_bounds() -> None:
     assert L.tokens_per_step_bounds(64) == (1, 64)
 
 
+CHECKS: list[tuple[str, Any, str]] = [
+    ("max_tokens past the limit", lambda: L.check_length(1, 9, 100, 8), "max_tokens"),
+    ("max_tokens past the context", lambda: L.check_length(95, 8, 100, 8), "max_tokens"),
+    ("prompt fills the context", lambda: L.check_length(100, None, 100, 8), "prompt"),
+    ("temperature", lambda: L.check_sampling(above(L.TEMPERATURE_MAX), 1.0, 1.0), "temperature"),
+    ("top_p nan", lambda: L.check_sampling(1.0, math.nan, 1.0), "top_p"),
+    ("repetition_penalty 0", lambda: L.check_sampling(1.0, 1.0, 0.0), "repetition_penalty"),
+    ("tokens_per_step 0", lambda: L.check_tokens_per_step(0, BLOCK), "decode.tokens_per_step"),
+    ("tokens_per_step", lambda: L.check_tokens_per_step(BLOCK + 1, BLOCK), "decode.tokens_per_step"),
+    ("threshold 0", lambda: L.check_threshold(0.0), "decode.threshold"),
+    ("threshold nan", lambda: L.check_threshold(math.nan), "decode.threshold"),
+    ("stride", lambda: L.check_stride(L.MAX_STRIDE + 1), "decode.stride"),
+    ("stop ids", lambda: L.check_stop_ids([5], 5), "stop_token_ids"),
+    ("attribution_top_k", lambda: L.check_attribution_top_k(0), "attribution_top_k"),
+    ("no concepts", lambda: L.check_concept_count(0), "steering.concepts"),
+    ("no reference", lambda: L.check_concept(2, None, None), "steering.concepts[2]"),
+    ("blank name", lambda: L.check_concept(0, " ", None), "steering.concepts[0]"),
+    ("name too long", lambda: L.check_concept(0, "o" * (L.CONCEPT_NAME_MAX + 1), None), "steering.concepts[0].name"),
+    ("strength 0", lambda: L.check_strength(1, 0.0), "steering.concepts[1].strength"),
+    ("target", lambda: L.check_steering_settings(math.inf, None, None, N_LAYERS), "steering.target"),
+    ("inject_layer", lambda: L.check_steering_settings(None, N_LAYERS + 1, None, N_LAYERS), "steering.inject_layer"),
+    ("cutoff", lambda: L.check_steering_settings(None, None, 0, N_LAYERS), "steering.cutoff"),
+    ("cutoff with fixed", lambda: L.check_cutoff_applies(True, "fixed"), "steering.cutoff"),
+    ("search query", lambda: L.check_search(" ", 1), "q"),
+    ("search limit", lambda: L.check_search("o", L.SEARCH_LIMIT_MAX + 1), "limit"),
+    ("list limit", lambda: L.check_list_limit(L.LIST_LIMIT_MAX + 1), "limit"),
+    ("top_tokens", lambda: L.check_top_tokens(L.TOP_TOKENS_MAX + 1), "top_tokens"),
+]
+
+
+@pytest.mark.parametrize("what, check, path", CHECKS, ids=[c[0] for c in CHECKS])
+def test_checks_name_the_field(what: str, check: Any, path: str) -> None:
+    with pytest.raises(L.LimitError) as err:
+        check()
+    assert err.value.path == path and str(err.value) == err.value.message, what
+
+
+def test_checks_pass_the_extremes() -> None:
+    L.check_length(92, 8, 100, 8)
+    L.check_length(99, None, 100, 8)
+    L.check_sampling(L.TEMPERATURE_MAX, L.TOP_P_MIN, L.REPETITION_PENALTY_MAX)
+    L.check_tokens_per_step(BLOCK, BLOCK)
+    L.check_threshold(L.THRESHOLD_MAX)
+    L.check_stride(L.MAX_STRIDE)
+    L.check_stop_ids(list(range(L.MAX_STOP_IDS)), L.MAX_STOP_IDS)
+    L.check_concept_count(L.MAX_CONCEPTS)
+    L.check_concept(0, "o" * L.CONCEPT_NAME_MAX, L.STRENGTH_MAX)
+    L.check_concept(0, 0, None)
+    L.check_steering_settings(-L.TARGET_ABS_MAX, N_LAYERS, L.CUTOFF_MAX, N_LAYERS)
+    L.check_cutoff_applies(True, "default")
+    L.check_search("o" * L.SEARCH_QUERY_MAX_CHARS, L.SEARCH_LIMIT_MAX)
+    with pytest.raises(L.LimitError, match="context") as err:
+        L.check_length(93, 8, 100, 8)
+    assert err.value.code == "context_length_exceeded"
+
+
+def test_gateway_fills_every_steering_default() -> None:
+    """What steering_svc receives: each unset field as its mode's preset, set fields untouched."""
+    from gateway.resolve import resolved_steering
+
+    for mode, amplify in ((common_pb2.STEERING_MODE_AMPLIFY, True), (common_pb2.STEERING_MODE_SUPPRESS, False)):
+        preset = L.steering_preset(N_LAYERS, amplify)
+        got = resolved_steering(common_pb2.SteeringRequest(concepts=[common_pb2.SteeringConcept(name="ocean")],
+                                                           mode=mode), N_LAYERS)
+        assert got.concepts[0].strength == L.DEFAULT_STRENGTH and got.target == preset.target
+        assert got.inject_layer == L.default_inject_layer(N_LAYERS, amplify) and got.cutoff_tokens == L.DEFAULT_CUTOFF
+        assert got.schedule == (common_pb2.STEERING_SCHEDULE_HARD_CUTOFF if amplify else common_pb2.STEERING_SCHEDULE_FIXED)
+    given = common_pb2.SteeringRequest(concepts=[common_pb2.SteeringConcept(concept_id=3, strength=2.0)], target=-1.0,
+                                       inject_layer=N_LAYERS, schedule=common_pb2.STEERING_SCHEDULE_FIXED,
+                                       cutoff_tokens=5)
+    assert resolved_steering(given, N_LAYERS) == given
+
+
 def test_sampling_defaults_match_the_model_sampler() -> None:
     import dataclasses
 
@@ -104,8 +179,9 @@ def test_sampling_defaults_match_the_model_sampler() -> None:
         k: getattr(SamplingParams(), k) for k in dataclasses.asdict(L.STEERLING_SAMPLING)}
 
 
-def test_causal_worker_options_use_the_same_bounds() -> None:
-    """The causal worker's option parsing (no stack: the causal stack is tests/test_causal_serving.py)."""
+def test_causal_worker_options_check_only_what_the_worker_knows() -> None:
+    """The causal worker's option parsing (no stack: the causal stack is tests/test_causal_serving.py):
+    its --max-stride and the fields of its family; the sampling bounds are the gateway's."""
     from worker_svc.request_options import isd_options
     from worker_svc.validation import BadRequest
 
@@ -125,13 +201,14 @@ def test_causal_worker_options_use_the_same_bounds() -> None:
     assert greedy.greedy and greedy.top_p == 1.0
     defaults = opts()
     assert (defaults.temperature, defaults.top_p) == (L.CAUSAL_SAMPLING.temperature, L.CAUSAL_SAMPLING.top_p)
-    for bad, field in (({"temperature": above32(L.TEMPERATURE_MAX)}, "temperature"),
-                       ({"temperature": below32(L.TEMPERATURE_MIN)}, "temperature"),
-                       ({"top_p": above32(L.TOP_P_MAX)}, "top_p"), ({"top_p": below32(L.TOP_P_MIN)}, "top_p")):
+    for bad, field in (({"use_entropy_sampling": True}, "use_entropy_sampling"),
+                       ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"top_k": 1001}, "top_k")):
         with pytest.raises(BadRequest, match=field):
             opts(**bad)
     with pytest.raises(BadRequest, match="isd.stride"):
         isd_options(submit(L.MAX_STRIDE + 1), L.MAX_STRIDE, token_limit=1000)
+    with pytest.raises(BadRequest, match="isd.stride"):
+        isd_options(submit(2), 1, token_limit=1000)   # a worker started with --max-stride 1
 
 
 # ---- the stack ----------------------------------------------------------------------------------
@@ -378,7 +455,10 @@ STEERING_CASES: list[tuple[str, dict[str, Any], str | None]] = [
 @pytest.mark.contract
 def test_public_grpc_and_steering_svc_apply_the_same_bounds(stack) -> None:
     """Each case through the public gRPC API (gateway -> steering_svc -> worker) and straight
-    against steering_svc: both accept the extremes and refuse one past them, naming the field."""
+    against steering_svc (as the gateway resolves it): both accept the extremes and refuse one
+    past them, naming the field. steering_svc refuses a request whose defaults were not filled in."""
+    from gateway.resolve import resolved_steering
+
     async def main() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.ports['gateway_grpc']}",
                                              options=channel_options()) as gch, \
@@ -395,19 +475,29 @@ def test_public_grpc_and_steering_svc_apply_the_same_bounds(stack) -> None:
             for what, st, param in cases:
                 req = generate_pb2.GenerateRequest(model="steerling-tiny", prompt="Hi", steering=st,
                                                    decode=common_pb2.DecodeOptions(max_new_tokens=1, seed=1))
+                build = steering_pb2.BuildSteeringRequest(steering=resolved_steering(st, N_LAYERS))
                 if param is None:
                     events = [e async for e in gen.Generate(req, timeout=TIMEOUT)]
                     assert events[-1].WhichOneof("event") == "finished", what
                     assert events[-1].finished.reason != common_pb2.FINISH_REASON_ERROR, (what, events[-1])
-                    await steering.BuildSteering(steering_pb2.BuildSteeringRequest(steering=st), timeout=TIMEOUT)
+                    await steering.BuildSteering(build, timeout=TIMEOUT)
                     continue
                 for call in (lambda: gen.Generate(req, timeout=TIMEOUT).read(),
-                             lambda: steering.BuildSteering(steering_pb2.BuildSteeringRequest(steering=st),
-                                                            timeout=TIMEOUT)):
+                             lambda: steering.BuildSteering(build, timeout=TIMEOUT)):
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await call()
                     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, err.value.details())
                     assert param in err.value.details(), (what, err.value.details())
+            resolved_ok = resolved_steering(steering_request(), N_LAYERS)
+            for field, unresolved in (("target", "target"), ("inject_layer", "inject_layer"),
+                                      ("cutoff_tokens", "cutoff"), ("schedule", "schedule")):
+                st = common_pb2.SteeringRequest()
+                st.CopyFrom(resolved_ok)
+                st.ClearField(field)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await steering.BuildSteering(steering_pb2.BuildSteeringRequest(steering=st), timeout=TIMEOUT)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value.details())
+                assert f"steering.{unresolved}" in err.value.details(), (field, err.value.details())
     run(main())
 
 
@@ -431,16 +521,9 @@ def worker_submit(**overrides: Any) -> worker_pb2.WorkerSubmit:
 WORKER_CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("temperature min", {"options.sampling.temperature": L.TEMPERATURE_MIN}, None),
     ("temperature max", {"options.sampling.temperature": L.TEMPERATURE_MAX}, None),
-    ("temperature below", {"options.sampling.temperature": below32(L.TEMPERATURE_MIN)}, "temperature"),
-    ("temperature above", {"options.sampling.temperature": above32(L.TEMPERATURE_MAX)}, "temperature"),
     ("top_p min", {"options.sampling.top_p": L.TOP_P_MIN}, None),
     ("top_p max", {"options.sampling.top_p": L.TOP_P_MAX}, None),
-    ("top_p below", {"options.sampling.top_p": below32(L.TOP_P_MIN)}, "top_p"),
-    ("top_p above", {"options.sampling.top_p": above32(L.TOP_P_MAX)}, "top_p"),
     ("repetition_penalty max", {"options.sampling.repetition_penalty": L.REPETITION_PENALTY_MAX}, None),
-    ("repetition_penalty 0", {"options.sampling.repetition_penalty": 0.0}, "repetition_penalty"),
-    ("repetition_penalty above", {"options.sampling.repetition_penalty": above32(L.REPETITION_PENALTY_MAX)},
-     "repetition_penalty"),
     ("tokens_per_step max", {"options.block_diffusion.tokens_per_step": BLOCK}, None),
     ("tokens_per_step above", {"options.block_diffusion.tokens_per_step": BLOCK + 1}, "tokens_per_step"),
     ("threshold max", {"options.block_diffusion.confidence_threshold": L.THRESHOLD_MAX}, None),
@@ -452,23 +535,27 @@ WORKER_CASES: list[tuple[str, dict[str, Any], str | None]] = [
 
 @pytest.mark.e2e
 @pytest.mark.contract
-def test_worker_applies_the_same_bounds(stack) -> None:
-    """The worker's own gRPC face, called directly (as the scheduler does), agrees with the gateway:
-    sampling, decode, stop ids and prepared steering (inject_layer, cutoff) from the real steering_svc."""
+def test_worker_runs_the_extremes_and_refuses_what_only_it_knows(stack) -> None:
+    """The worker's own gRPC face, called directly (as the scheduler does): every extreme the
+    gateway lets through runs; it refuses what only it knows (its model's block size and layers,
+    its vocabulary, options missing or for the other family). The threshold bounds are the
+    engine's own (DecodeOptions)."""
+    from gateway.resolve import resolved_steering
+
     async def main() -> None:
         port = service(stack, "worker0").grpc_port
         async with internal_aio_channel(stack, port, options=channel_options()) as wch, \
                 internal_aio_channel(stack, stack.ports['steering'], options=channel_options()) as sch:
             worker = worker_pb2_grpc.WorkerStub(wch)
             prepared = await steering_pb2_grpc.SteeringStub(sch).BuildSteering(steering_pb2.BuildSteeringRequest(
-                steering=steering_request(schedule=common_pb2.STEERING_SCHEDULE_HARD_CUTOFF)), timeout=TIMEOUT)
+                steering=resolved_steering(steering_request(), N_LAYERS)), timeout=TIMEOUT)
             cases: list[tuple[str, worker_pb2.WorkerSubmit, str | None]] = [
                 (w, worker_submit(**o), p) for w, o, p in WORKER_CASES]
             stops_ok = worker_submit()
             stops_ok.options.stop_ids.extend(range(100, 100 + L.MAX_STOP_IDS))
-            stops_bad = worker_submit()
-            stops_bad.options.stop_ids.extend(range(100, 101 + L.MAX_STOP_IDS))
-            cases += [("stop ids max", stops_ok, None), ("stop ids too many", stops_bad, "stop_ids")]
+            stop_outside = worker_submit()
+            stop_outside.options.stop_ids.append(CFG.vocab_size + 10)
+            cases += [("stop ids max", stops_ok, None), ("stop id outside the vocabulary", stop_outside, "stop_ids")]
             # nothing is defaulted after the gateway: an unresolved request names what is missing
             no_options, no_sampling, isd_here = worker_submit(), worker_submit(), worker_submit()
             no_options.ClearField("options")
@@ -483,7 +570,7 @@ def test_worker_applies_the_same_bounds(stack) -> None:
                     ("inject_layer 0", "inject_layer", 0, "inject_layer"),
                     ("inject_layer above", "inject_layer", N_LAYERS + 1, "inject_layer"),
                     ("cutoff max", "cutoff_tokens", L.CUTOFF_MAX, None),
-                    ("cutoff above", "cutoff_tokens", L.CUTOFF_MAX + 1, "cutoff_tokens")):
+                    ("schedule default", "schedule", common_pb2.STEERING_SCHEDULE_DEFAULT, "schedule")):
                 req = worker_submit()
                 req.steering.CopyFrom(prepared)
                 setattr(req.steering, field, value)

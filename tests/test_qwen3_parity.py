@@ -28,17 +28,13 @@ from cde.qwen3.config import IDLM_8B, TINY, Qwen3Config, preset  # noqa: E402
 from cde.qwen3.loading import load_lora, load_qwen3, save_qwen3  # noqa: E402
 from cde.qwen3.model import Qwen3Model, masked_attend  # noqa: E402
 from cde.qwen3.tokenizer import Qwen3Tokenizer, load_tokenizer  # noqa: E402
+from tests.numerics import rel_err  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VOCAB = 256
 TOL = 1e-5
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
 def hf_config(tied: bool, rope_theta: float = 1_000_000.0, **kw) -> transformers.Qwen3Config:

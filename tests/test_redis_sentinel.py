@@ -26,7 +26,7 @@ TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 async def retried(op, budget_s: float = 30.0):
-    """``await op()``, retrying transient failures (the failover) like RequestRun._redis."""
+    """``await op()``, retrying transient failures (the failover) like the scheduler does (scheduler_svc/run_context.py: with_redis_retries)."""
     give_up = time.monotonic() + budget_s
     while True:
         try:

@@ -26,13 +26,16 @@ from cde.rpc import bytes_to_floats, channel_options, floats_to_bytes
 from cde.rpc.v1 import attribution_pb2, attribution_pb2_grpc, common_pb2, steering_pb2, steering_pb2_grpc
 from cde.steerling import attribution as attr
 from cde.steerling.catalog import ConceptCatalog
+from cde.steerling.config import SteerlingConfig
 from cde.steerling.loading import load_model
 from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.steering import PreparedSteering, SteeringSpec, prepare, steering_direction
 from steering_svc import service as steering_service
+from gateway.resolve import resolved_steering
 from steering_svc.backend import SteeringBackend
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "steerling-tiny"
+N_LAYERS = SteerlingConfig.load(MODEL_DIR).n_layers
 TIMEOUT = 10
 
 
@@ -73,6 +76,11 @@ def concept(ref, strength: float = 0.0) -> common_pb2.SteeringConcept:
     if isinstance(ref, int):
         return common_pb2.SteeringConcept(concept_id=ref, strength=strength)
     return common_pb2.SteeringConcept(name=ref, strength=strength)
+
+
+def build_request(request: common_pb2.SteeringRequest) -> steering_pb2.BuildSteeringRequest:
+    """As the gateway sends it: every steering default filled in (gateway.resolve)."""
+    return steering_pb2.BuildSteeringRequest(steering=resolved_steering(request, N_LAYERS))
 
 
 def to_prepared(msg: common_pb2.PreparedSteering) -> PreparedSteering:
@@ -194,7 +202,7 @@ def test_build_steering_equals_in_process_prepare(model, catalog):
         async with services() as (steer, sc, _):
             stub = steering_pb2_grpc.SteeringStub(sc)
             for request, spec, weights in cases:
-                got = await stub.BuildSteering(steering_pb2.BuildSteeringRequest(steering=request), timeout=TIMEOUT)
+                got = await stub.BuildSteering(build_request(request), timeout=TIMEOUT)
                 want = expected(spec, weights)
                 assert got.direction_f32 == floats_to_bytes(want.direction)
                 # the proto field is float32: exactly the float32 rounding of the fp64 alpha
@@ -212,7 +220,7 @@ def test_build_steering_equals_in_process_prepare(model, catalog):
                     assert got.relu_mask_f32 == floats_to_bytes(want.relu_mask)  # same math, same bits
             # same request again: served from the LRU, same answer
             assert len(steer.servicer.cache) == len(cases)
-            again = await stub.BuildSteering(steering_pb2.BuildSteeringRequest(steering=cases[0][0]))
+            again = await stub.BuildSteering(build_request(cases[0][0]))
             assert again.direction_f32 == floats_to_bytes(expected(cases[0][1]).direction)
             assert len(steer.servicer.cache) == len(cases)
     run(main)
@@ -234,10 +242,19 @@ BAD_STEERING = [
     ("target -inf", dict(concepts=[concept("ocean")], target=float("-inf")), "INVALID_ARGUMENT", "target"),
     ("layer 0", dict(concepts=[concept("ocean")], inject_layer=0), "INVALID_ARGUMENT", "inject_layer"),
     ("layer 5 of 4", dict(concepts=[concept("ocean")], inject_layer=5), "INVALID_ARGUMENT", "inject_layer"),
-    ("cutoff 0", dict(concepts=[concept("ocean")], cutoff_tokens=0), "INVALID_ARGUMENT", "cutoff_tokens"),
-    ("cutoff 4097", dict(concepts=[concept("ocean")], cutoff_tokens=4097), "INVALID_ARGUMENT", "cutoff_tokens"),
+    ("cutoff 0", dict(concepts=[concept("ocean")], cutoff_tokens=0), "INVALID_ARGUMENT", "steering.cutoff"),
+    ("cutoff 4097", dict(concepts=[concept("ocean")], cutoff_tokens=4097), "INVALID_ARGUMENT", "steering.cutoff"),
     ("unknown mode", dict(concepts=[concept("ocean")], mode=7), "INVALID_ARGUMENT", "mode"),
     ("unknown schedule", dict(concepts=[concept("ocean")], schedule=9), "INVALID_ARGUMENT", "schedule"),
+]
+
+
+# (what, field cleared from a resolved request, text): steering_svc picks no default
+UNRESOLVED_STEERING = [
+    ("no target", "target", "steering.target"),
+    ("no inject_layer", "inject_layer", "steering.inject_layer"),
+    ("no cutoff", "cutoff_tokens", "steering.cutoff"),
+    ("default schedule", "schedule", "steering.schedule"),
 ]
 
 
@@ -246,10 +263,18 @@ def test_build_steering_refuses_bad_input():
     async def main():
         async with services() as (steer, sc, _):
             stub = steering_pb2_grpc.SteeringStub(sc)
-            for what, fields, code, text in BAD_STEERING:
+            requests = [(what, build_request(common_pb2.SteeringRequest(**fields)), code, text)
+                        for what, fields, code, text in BAD_STEERING]
+            for what, field, text in UNRESOLVED_STEERING:
+                req = build_request(common_pb2.SteeringRequest(concepts=[concept("ocean")]))
+                req.steering.ClearField(field)
+                requests.append((what, req, "INVALID_ARGUMENT", text))
+            unset_strength = build_request(common_pb2.SteeringRequest(concepts=[concept("ocean")]))
+            unset_strength.steering.concepts[0].strength = 0.0
+            requests.append(("strength 0", unset_strength, "INVALID_ARGUMENT", "steering.concepts[0].strength"))
+            for what, req, code, text in requests:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.BuildSteering(steering_pb2.BuildSteeringRequest(
-                        steering=common_pb2.SteeringRequest(**fields)), timeout=TIMEOUT)
+                    await stub.BuildSteering(req, timeout=TIMEOUT)
                 assert err.value.code() == getattr(grpc.StatusCode, code), (what, err.value.details())
                 assert text in err.value.details(), (what, err.value.details())
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -320,8 +345,8 @@ def steered_run(model):
 
     async def build():
         async with services() as (_, sc, _ac):
-            return await steering_pb2_grpc.SteeringStub(sc).BuildSteering(steering_pb2.BuildSteeringRequest(
-                steering=common_pb2.SteeringRequest(concepts=[concept("ocean")], inject_layer=1)), timeout=TIMEOUT)
+            return await steering_pb2_grpc.SteeringStub(sc).BuildSteering(build_request(
+                common_pb2.SteeringRequest(concepts=[concept("ocean")], inject_layer=1)), timeout=TIMEOUT)
     prepared = to_prepared(run(build))
     forced = {p: cfg.endofchunk_id for p in FORCED_EOC} | {FORCED_EOT: cfg.eot_id}
     res = generate(model, PROMPT, DecodeOptions(170 - len(PROMPT), seed=3), prepared,

@@ -22,6 +22,7 @@ from cde.steerling.model import KnownIntervention, SteeringInputs, SteerlingMode
 from cde.steerling.reference_decoder import DecodeOptions, generate
 from cde.steerling.sampling import SamplingParams, banned_ids, sampling_distribution
 from cde.steerling.tokenizer import ByteTokenizer
+from tests.numerics import rel_err
 from tests.oracle import assert_same_topk, build_oracle, oracle_configs
 from tests.seeding import draw_seed
 
@@ -46,10 +47,6 @@ def pair(cfg, seed):
     ours = SteerlingModel(cfg).eval()
     ours.load_state_dict(oracle.state_dict(), strict=True)
     return oracle, ours
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
 def oracle_generator(oracle, cfg):

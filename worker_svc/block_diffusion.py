@@ -1,6 +1,6 @@
-"""The Steerling (block diffusion) family of the worker: WorkerSubmit -> engine job (steering
-validated here, so a bad request is INVALID_ARGUMENT before it costs a step), engine events ->
-WorkerEvents.
+"""The Steerling (block diffusion) family of the worker: WorkerSubmit -> engine job (prepared
+steering checked against this model, so a bad request is INVALID_ARGUMENT before it costs a
+step), engine events -> WorkerEvents.
 
 BlockCommitted carries `next_step`, the request's step counter after the block: with the
 committed blocks' tokens it is all another worker needs to continue a seeded request with
@@ -27,7 +27,7 @@ from worker_svc.engine.runtime import EngineStats
 from worker_svc.engine.steerling_engine import SteerlingEngine
 from worker_svc.family import EventTranslator, Job
 from worker_svc.request_options import block_diffusion_options
-from worker_svc.validation import BadRequest, check_cutoff, check_inject_layer, checked_prompt
+from worker_svc.validation import BadRequest, check_inject_layer, checked_prompt
 
 _SCHEDULES = {common_pb2.STEERING_SCHEDULE_FIXED: "fixed", common_pb2.STEERING_SCHEDULE_HARD_CUTOFF: "hard_cutoff"}
 
@@ -57,9 +57,7 @@ def prepared_steering(st: common_pb2.PreparedSteering, cfg: SteerlingConfig, mod
         raise BadRequest("steering.base_alpha must be finite")
     check_inject_layer(st.inject_layer, cfg.n_layers)
     if st.schedule not in _SCHEDULES:
-        raise BadRequest("steering.schedule must be FIXED or HARD_CUTOFF (steering_svc resolves DEFAULT)")
-    if st.schedule == common_pb2.STEERING_SCHEDULE_HARD_CUTOFF:   # a fixed schedule ignores the cutoff
-        check_cutoff(st.cutoff_tokens)
+        raise BadRequest("steering.schedule must be FIXED or HARD_CUTOFF (the gateway resolves DEFAULT)")
     return PreparedSteering(torch.from_numpy(direction), float(st.base_alpha), int(st.inject_layer),
                             _SCHEDULES[st.schedule], int(st.cutoff_tokens),  # type: ignore[arg-type]
                             None if relu is None else torch.from_numpy(relu))

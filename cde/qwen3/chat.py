@@ -12,27 +12,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from functools import lru_cache
 from pathlib import Path
 
+from cde.byte_level import unicode_to_byte
 from cde.qwen3.config import Qwen3Config
 from cde.qwen3.tokenizer import TOKENIZER_FILE, Qwen3Tokenizer, load_tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant")
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: the printable stand-in of each byte -> the byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 class ChatTokenizer:
@@ -88,7 +74,7 @@ class ChatTokenizer:
             raise ValueError(f"token id {i} is not assigned in {self.tok.path}")
         if not self.byte_level:
             return self.tok.decode([i], skip_special=False).encode("utf-8")
-        table = _byte_decoder()
+        table = unicode_to_byte()
         return bytes(table[c] for c in piece)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
@@ -121,7 +107,7 @@ def write_byte_tokenizer(path: str | Path, specials: Sequence[str]) -> dict[str,
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers import models as tok_models
 
-    vocab = {c: b for c, b in _byte_decoder().items()}
+    vocab = dict(unicode_to_byte())
     tok = Tokenizer(tok_models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

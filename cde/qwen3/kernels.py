@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cde import regional
+from cde import norms, regional
 from cde.regional import Kernels
+
+# transformers' Qwen3RMSNorm returns to the input dtype before the weight multiply
+CAST_BEFORE_WEIGHT = True
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    return norms.rms_norm(x, weight, eps, cast_before_weight=CAST_BEFORE_WEIGHT)
 
 
 def rotate_half(x: Tensor) -> Tensor:

@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from cde import random_init
+from cde.norms import RMSNorm
 from cde.qwen3 import kernels
 from cde.qwen3.config import Qwen3Config
 
@@ -34,16 +36,6 @@ AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 # The names of the projections LoRA can target, as PEFT spells them.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Linear):
@@ -111,8 +103,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden, cfg.kv_size, bias=cfg.attention_bias)
         self.v_proj = Linear(cfg.hidden, cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, kernels.CAST_BEFORE_WEIGHT)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, kernels.CAST_BEFORE_WEIGHT)
         self.kernels = kernels.EAGER
         self.qkv: tuple[Tensor, Tensor | None] | None = None   # fused (weight, bias), see fuse_projections
 
@@ -155,8 +147,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps, kernels.CAST_BEFORE_WEIGHT)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps, kernels.CAST_BEFORE_WEIGHT)
         self.kernels = kernels.EAGER
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend, gate: Tensor | None) -> Tensor:
@@ -173,7 +165,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.norm = RMSNorm(cfg.hidden, cfg.rms_eps, kernels.CAST_BEFORE_WEIGHT)
 
 
 class Qwen3Model(nn.Module):
@@ -194,15 +186,8 @@ class Qwen3Model(nn.Module):
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.cfg.tie_word_embeddings else {}
 
     def init_random(self, seed: int, std: float = 0.02) -> Qwen3Model:
-        """Random weights (normal(0, std), norm weights at 1) from a seeded generator."""
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
-        return self
+        """Random weights (normal(0, std), norm weights at 1) from a seeded generator (cde/random_init.py)."""
+        return random_init.init_random(self, seed, std)
 
     def rebuild_rope(self, device: torch.device | str | None = None) -> None:
         """Recompute the RoPE inverse frequencies (after building on the meta device)."""

@@ -3,10 +3,11 @@
     from cde.rpc import make_server, channel_options
     from cde.rpc.v1 import worker_pb2, worker_pb2_grpc
 
-Every server gets the same message limits and keepalive, grpc.health.v1 (NOT_SERVING
-until the service says it is warm; ``cde.liveness`` SERVING while the process serves),
-reflection, and the internal-token check when $CDE_INTERNAL_TOKEN_FILE is set (`cde.rpc.internal_auth`; clients use `internal_channel`). Float vectors travel as little-endian
-float32 bytes (never pickle). Stubs are regenerated with scripts/gen_protos.sh.
+`make_server` gives every server the same message limits and keepalive (cde/rpc/transport.py),
+grpc.health.v1 (NOT_SERVING until the service says it is warm; ``cde.liveness`` SERVING while
+the process serves), reflection, and the internal-token check when $CDE_INTERNAL_TOKEN_FILE is
+set (cde/rpc/internal_auth.py; clients use its `internal_channel`). Float vectors travel as
+little-endian float32 bytes (never pickle). Stubs are regenerated with scripts/gen_protos.sh.
 """
 
 from __future__ import annotations
@@ -17,58 +18,17 @@ from typing import Any
 import grpc
 import numpy as np
 
-# Largest message any cde.v1 service sends or accepts. The biggest legitimate payloads are
-# well under 1 MiB (a relu mask of the 8B model: 392 KiB; a committed block's raw concept
-# records: ~80 KiB), so 8 MiB leaves room without letting one bad message eat the memory.
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+from cde.rpc.internal_auth import server_interceptors
+from cde.rpc.malformed import MalformedRequestInterceptor
+from cde.rpc.transport import MAX_MESSAGE_BYTES, channel_options, server_options
 
-# Clients ping every 30 s (also when idle, so a dead peer is noticed between requests);
-# servers accept pings that often and ping back every 60 s.
-_CLIENT_KEEPALIVE_MS = 30_000
-_SERVER_KEEPALIVE_MS = 60_000
-_KEEPALIVE_TIMEOUT_MS = 10_000
-
-
-def _limits(max_message_bytes: int) -> list[tuple[str, Any]]:
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
-
-
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, share_port: bool = False) -> list[tuple[str, Any]]:
-    """share_port: the processes of one multi-process gateway bind the same port (SO_REUSEPORT)."""
-    return _limits(max_message_bytes) + [
-        ("grpc.keepalive_time_ms", _SERVER_KEEPALIVE_MS),
-        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", _CLIENT_KEEPALIVE_MS // 2),
-        ("grpc.http2.max_ping_strikes", 0),
-        # a second server on the same port must fail, not share it (gRPC takes an option's first value)
-        ("grpc.so_reuseport", int(share_port)),
-    ]
-
+__all__ = ["LIVENESS_SERVICE", "MAX_MESSAGE_BYTES", "bytes_to_floats", "channel_options", "floats_to_bytes",
+           "make_server", "server_options", "service_name"]
 
 # A grpc.health.v1 service name that answers SERVING for as long as the server runs, whatever the
 # service reports: Kubernetes' liveness probe asks for it, so a worker that drains (NOT_SERVING
 # for readiness) or a gateway whose backends are down is not restarted for it.
 LIVENESS_SERVICE = "cde.liveness"
-
-# Reconnect backoff between services: gRPC's default grows to 120 s, so a peer that was down
-# for a minute is only dialled again seconds after it is back. Capped at 0.5 s (gRPC adds up to
-# 20 % jitter), a restarted scheduler is seen by the gateway and the workers within 0.6 s plus
-# the connect; dialling a dead loopback or cluster peer twice a second costs nothing.
-_INITIAL_RECONNECT_BACKOFF_MS = 100
-_MAX_RECONNECT_BACKOFF_MS = 500
-
-
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
-    return _limits(max_message_bytes) + [
-        ("grpc.keepalive_time_ms", _CLIENT_KEEPALIVE_MS),
-        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.initial_reconnect_backoff_ms", _INITIAL_RECONNECT_BACKOFF_MS),
-        ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
-    ]
 
 
 def _health_servicer_class():
@@ -105,9 +65,6 @@ async def make_server(service_names: Sequence[str], *, max_message_bytes: int = 
     except ImportError as e:  # e.g. an image that brings its own grpcio but not these two
         raise ImportError(f"{e}: install grpcio-health-checking=={grpc.__version__} and "
                           f"grpcio-reflection=={grpc.__version__} (pure Python, match the grpcio)") from e
-
-    from cde.rpc.internal_auth import server_interceptors
-    from cde.rpc.malformed import MalformedRequestInterceptor
 
     # outermost first: a caller without the internal token is refused before anything else
     interceptors = [*server_interceptors(), MalformedRequestInterceptor(), *interceptors]

@@ -3,12 +3,12 @@
 The internal services (scheduler, workers, steering, attribution) trust their callers with
 prompts, placements and forged-looking results, so on a shared network they must know who
 is calling. With ``CDE_INTERNAL_TOKEN_FILE`` set (a secret file holding one token of at
-least 32 characters; compose mounts ``./secrets/internal_token``), every cde server refuses
-a ``cde.v1`` call without ``x-cde-internal-token: <token>`` metadata (UNAUTHENTICATED), and
-every internal client channel (`internal_channel`) sends it. Left out of the check: the
-health service (compose/Kubernetes probes), reflection, and the public ``cde.v1.Generation``
-(the gateway's API keys guard that one). Unset: no check. The local launcher (`cde.launch`)
-sets it by default to a token it generates for each run (``--no-internal-token``: unset). mTLS is the alternative where the deployment provides certificates; see
+least 32 characters; compose mounts ``./secrets/internal_token``, the local launcher writes
+one per run), every cde server refuses a ``cde.v1`` call without ``x-cde-internal-token:
+<token>`` metadata (UNAUTHENTICATED), and every internal client channel (`internal_channel`)
+sends it. Left out of the check: the health service (compose/Kubernetes probes), reflection,
+and the public ``cde.v1.Generation`` (the gateway's API keys guard that one). Unset: no
+check. mTLS is the alternative where the deployment provides certificates; see
 docs/ARCHITECTURE.md "Failure behaviour".
 """
 
@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
+
+from cde.rpc.transport import channel_options
 
 TOKEN_FILE_ENV = "CDE_INTERNAL_TOKEN_FILE"
 TOKEN_MD = "x-cde-internal-token"
@@ -143,8 +145,6 @@ def internal_channel(target: str, options: Sequence[tuple] | None = None,
                      token: str | None = None) -> grpc.aio.Channel:
     """A grpc.aio channel to another cde service that sends the internal token (when one is
     configured: ``token`` or $CDE_INTERNAL_TOKEN_FILE)."""
-    from cde.rpc import channel_options
-
     token = token if token is not None else load_token()
     opts = list(options) if options is not None else channel_options()
     if not token:

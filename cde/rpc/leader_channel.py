@@ -12,7 +12,7 @@ answer NOT_SERVING there and UNAVAILABLE to every RPC (scheduler_svc/leadership.
   of all replicas finds another one SERVING (workers' RegisterWorker/Heartbeat, the
   gateway's Cancel/Stats);
 * returns streaming calls as they are: a broken stream is the caller's to reattach (the
-  gateway does, gateway/pipeline.py), and its wait for the channel, ``channel_ready()``,
+  gateway does, gateway/stream.py), and its wait for the channel, ``channel_ready()``,
   here waits until some replica is SERVING and makes it ``current``;
 * re-checks ``current`` every ``watch_s`` in the background, so health checks made through
   the channel (the gateway's /health) move to the new leader by themselves.

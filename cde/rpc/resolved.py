@@ -1,6 +1,6 @@
 """Builders of the internal request contract, cde.v1 `ResolvedOptions` (protos/cde/v1/resolved.proto).
 
-The gateway resolves a public request once (gateway/pipeline.py) and builds its options with
+The gateway resolves a public request once (gateway/resolve.py) and builds its options with
 these; the scheduler stores them and the workers apply them as they are. Tests that talk to the
 scheduler or a worker directly build their requests here too, so they send what a gateway sends.
 The keyword defaults are cde.limits' family defaults: only callers that resolve (the gateway,

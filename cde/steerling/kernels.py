@@ -18,17 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cde import regional
+from cde import norms, regional
 from cde.regional import Kernels
 from cde.steerling.sampling import counter_uniform
+
+# the reference multiplies by the weight in fp32 and returns to the input dtype last
+CAST_BEFORE_WEIGHT = False
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm in fp32, scaled by weight, back to x's dtype (the reference's order)."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * xf).to(dtype)
+    return norms.rms_norm(x, weight, eps, cast_before_weight=CAST_BEFORE_WEIGHT)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

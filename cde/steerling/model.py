@@ -23,22 +23,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from cde import random_init
+from cde.norms import RMSNorm
 from cde.steerling import kernels
 from cde.steerling.concept_heads import TOKEN_CHUNK, DiscoveredHead, KnownHead
 from cde.steerling.config import SteerlingConfig
 
 # attend(layer_index, q (B,H,T,hd), k (B,KV,T,hd), v (B,KV,T,hd)) -> (B,H,T,hd)
 AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, max_len: int, base: float, device=None) -> tuple[Tensor, Tensor]:
@@ -59,8 +51,8 @@ class Attention(nn.Module):
         self.n_head, self.n_kv, self.hd, self.clip = cfg.n_head, cfg.n_kv_heads, cfg.head_dim, cfg.clip_qkv
         self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * self.n_kv * self.hd, bias=False)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.q_norm = RMSNorm(self.hd, cfg.norm_eps)
-        self.k_norm = RMSNorm(self.hd, cfg.norm_eps)
+        self.q_norm = RMSNorm(self.hd, cfg.norm_eps, kernels.CAST_BEFORE_WEIGHT)
+        self.k_norm = RMSNorm(self.hd, cfg.norm_eps, kernels.CAST_BEFORE_WEIGHT)
         self.kernels = kernels.EAGER
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
@@ -84,8 +76,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: SteerlingConfig):
         super().__init__()
-        self.ln_1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.ln_2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.ln_1 = RMSNorm(cfg.n_embd, cfg.norm_eps, kernels.CAST_BEFORE_WEIGHT)
+        self.ln_2 = RMSNorm(cfg.n_embd, cfg.norm_eps, kernels.CAST_BEFORE_WEIGHT)
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.kernels = kernels.EAGER
@@ -105,7 +97,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps, kernels.CAST_BEFORE_WEIGHT)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.tok_emb.weight = self.lm_head.weight  # tied
 
@@ -165,15 +157,8 @@ class SteerlingModel(nn.Module):
 
     # ---- initialisation -------------------------------------------------------------
     def init_random(self, seed: int, std: float = 0.02) -> SteerlingModel:
-        """Random weights (normal(0, std), norms at 1) from a seeded generator."""
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("norm.weight") or ".ln_" in name or name.endswith("ln_f.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
-        return self
+        """Random weights (normal(0, std), norms at 1) from a seeded generator (cde/random_init.py)."""
+        return random_init.init_random(self, seed, std)
 
     def _apply(self, fn, recurse: bool = True):
         # `.to(bfloat16)` would also cast the RoPE tables; the reference computes RoPE in fp32.

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import tiktoken
 
+from cde.byte_level import unicode_to_byte
+
 if TYPE_CHECKING:
     from cde.steerling.config import SteerlingConfig
 
@@ -375,20 +377,6 @@ class ByteTokenizer(Tokenizer):
         return bytes(ids)
 
 
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, inverted: printable stand-in character -> byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + list(
-        range(ord("\u00ae"), ord("\u00ff") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
 _STEERLING_BASE = ("<|endoftext|>", "<|pad|>", "<|bos|>", "<|endofchunk|>", "<|mask|>")
 _STEERLING_CHAT = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
@@ -431,7 +419,7 @@ class TokenizerJsonTokenizer(Tokenizer):
         self.name = f"tokenizer_json:{path.name}" + ("_instruct" if instruct else "")
         self.path = path
         self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
-        table = _byte_level_table()
+        table = unicode_to_byte()
         self._added_ids = frozenset(added.values())
         self._bytes: list[bytes | None] = []
         for i in range(self.vocab_size):
