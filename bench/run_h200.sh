@@ -18,6 +18,7 @@
 #   bash bench/run_h200.sh isd-ttfb    # I-DLM-8B time to first token (1K, 4K) alone and joining, at the engine's defaults
 #   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
 #   bash bench/run_h200.sh train-steerling-v2 # steerling-small v2, resumable across commands (TOTAL_TRAIN_S, EVAL=quick|full, RESUME)
+#   bash bench/run_h200.sh train-throughput # steerling-small trainer: tok/s + MFU of today's recipe vs prefetch / compile / batch 256, and a profile
 #   bash bench/run_h200.sh train-all       # both bundled models (idlm-small beside steerling-small + its eval)
 #   bash bench/run_h200.sh eval-idlm       # idlm-8b ISD bench, then idlm-small's full evaluation with H200 speed
 #   bash bench/run_h200.sh kernels-micro # qkv prep (compiled vs Triton) and block attention (splits 1 vs default) at 8B dims
@@ -130,7 +131,7 @@ case "$stage" in
     fi
     python3 -u -m train.train_steerling --out "$OUT/steerling-small" --data "$data" --checkpoint "$ckpt" \
       --total-train-s "${TOTAL_TRAIN_S:-900}" --batch-size "${BATCH:-128}" --time-budget-s "${TRAIN_BUDGET_S:-400}" \
-      --data-budget-s 60 ${COMPILE:+--compile} ${RESUME:+--resume "$RESUME"} ${LOSS_WEIGHTS:-} 2>&1 | grep -v Warning \
+      --data-budget-s 60 --objective "${OBJECTIVE:-v2}" ${COMPILE:+--compile} ${RESUME:+--resume "$RESUME"} ${LOSS_WEIGHTS:-} 2>&1 | grep -v Warning \
       > "$OUT/train-steerling-small-$short.log" || true
     tail -n 4 "$OUT/train-steerling-small-$short.log"
     case "${EVAL:-}" in
@@ -144,6 +145,22 @@ case "$stage" in
       grep -E "meaning|logit mass|clean steering|detection|lift:" "$OUT/train-steerling-small-$short.log" | cut -c1-600
     fi
     rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet" ;;
+  train-throughput)
+    # 30 steps of each variant on one corpus (built once): the v1 recipe (SDPA, batch 64: the
+    # issue's baseline), v2 at batch 128 inline, + the prefetch thread, + --compile, at batch 256;
+    # then a torch.profiler table of 5 steps of the last. The tok/s of the last log line is the figure.
+    data=/tmp/steerling-data
+    run() { name=$1; shift
+      python3 -u -m train.train_steerling --out "/tmp/tp-$name" --data "$data" --max-steps 30 --log-every-s 1 \
+        --time-budget-s 400 --data-budget-s 60 --reserve-s 5 "$@" 2>&1 | grep -v Warning > "$OUT/train-throughput-$name-$short.log" || true
+      echo "$name: $(grep -E '^skipped=' "$OUT/train-throughput-$name-$short.log" | tail -n 1 | grep -oE '(step|tok_per_s|mfu|data_share)=[0-9.e+-]+' | tr '\n' ' ')"
+    }
+    run v1-b64 --objective v1 --attention sdpa --batch-size 64 --no-prefetch
+    run v2-b128-inline --objective v2 --batch-size 128 --no-prefetch
+    run v2-b128 --objective v2 --batch-size 128
+    run v2-b128-compile --objective v2 --batch-size 128 --compile
+    run v3-b256-compile --objective v3 --batch-size 256 --compile --profile-steps 5 --profile-after 20
+    sed -n '/^profile of/,/^Self CUDA time total/p' "$OUT/train-throughput-v3-b256-compile-$short.log" | cut -c1-200 ;;
   train-all)
     # Both bundled models in one command of < 10 minutes on one GPU: idlm-small in the background
     # (train.train_idlm, its own time budget) beside steerling-small's training + evaluation (the two

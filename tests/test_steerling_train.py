@@ -52,3 +52,69 @@ def test_tiny_training_run_writes_a_bundle_that_loads(tmp_path):
     assert log["steps"] > 0 and log["skipped_steps"] == 0
     model = load_model(out)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_prefetcher_gives_the_inline_sequence_and_raises_where_inline_would():
+    import numpy as np
+
+    from train.prefetch import Prefetcher
+
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    inline_rng, ahead_rng = np.random.default_rng(seed), np.random.default_rng(seed)
+    inline = [inline_rng.integers(0, 1000, size=7) for _ in range(20)]
+    with Prefetcher(lambda: ahead_rng.integers(0, 1000, size=7), depth=3) as ahead:
+        got = [ahead.next() for _ in range(20)]
+    assert all((a == b).all() for a, b in zip(inline, got)), f"seed {seed}: prefetched batches differ"
+
+    calls = iter(range(10))
+    def make():
+        i = next(calls)
+        if i == 2:
+            raise RuntimeError("corpus shard unreadable")
+        return i
+    failing = Prefetcher(make, depth=2)
+    assert [failing.next(), failing.next()] == [0, 1]
+    with pytest.raises(RuntimeError, match="corpus shard unreadable"):
+        failing.next()
+    failing.close()
+    assert not failing._thread.is_alive()
+    with pytest.raises(ValueError, match="depth"):
+        Prefetcher(lambda: 0, depth=0)
+
+
+def test_attribution_rank_loss_is_the_ce_of_served_contributions_and_falls_when_the_label_leads():
+    from cde.steerling.config import TINY
+    from cde.steerling.model import SteerlingModel
+    from train.steerling_objective import attribution_rank_loss
+
+    seed = int(torch.randint(0, 2**31, ()).item())
+    torch.manual_seed(seed)
+    model = SteerlingModel(TINY).init_random(seed, std=0.05)
+    c, v = TINY.n_known, TINY.vocab_size
+    b, t = 2, 16
+    logits = torch.randn(b, t, c)
+    tokens = torch.randint(0, v, (b, t))
+    labels = torch.full((b, t), -1)
+    labels[0, 3], labels[1, 7], labels[1, 9] = 5, 11, 2
+    masked = torch.ones(b, t, dtype=torch.bool)
+    masked[1, 9] = False                          # unmasked positions are not attributed
+    got = attribution_rank_loss(model, logits, tokens, labels, masked)
+
+    # by hand, in float64, row by row: contribution_c = sigmoid(l_c) * E_c . W_lm[y]
+    emb = model.known_head.concept_embedding.weight[:c].double()
+    w = model.transformer.lm_head.weight.double()
+    losses = []
+    for (i, j) in [(0, 3), (1, 7)]:
+        contrib = torch.sigmoid(logits[i, j].double()) * (emb @ w[tokens[i, j]])
+        z = contrib / contrib.std()
+        losses.append(torch.logsumexp(z, 0) - z[labels[i, j]])
+    want = torch.stack(losses).mean()
+    assert abs(float(got) - float(want)) < 1e-4, f"seed {seed}: {float(got)} vs by hand {float(want)}"
+
+    with torch.no_grad():                         # the labelled concepts now point at their tokens
+        for (i, j) in [(0, 3), (1, 7)]:
+            model.known_head.concept_embedding.weight[labels[i, j]] = 3 * w[tokens[i, j]].float()
+        logits[0, 3, 5] = logits[1, 7, 11] = 4.0
+    assert float(attribution_rank_loss(model, logits, tokens, labels, masked)) < float(want) - 1.0, f"seed {seed}"
+    none = torch.zeros_like(masked)
+    assert float(attribution_rank_loss(model, logits, tokens, labels, none)) == 0.0

@@ -70,6 +70,10 @@ class LossWeights:
     known_lm: float = 0.0
     concept_rows: int = 8192   # masked positions sampled per batch for the two terms above
     steer_somewhere: bool = False   # steer_words per block (some position), not per position
+    # v3: attribution names the labelled concept. At masked positions whose token the labeler ties
+    # to a concept, that concept's served contribution sigmoid(logit) * E . W_lm[y] should rank
+    # first among the known concepts (CE over the row's contributions, scaled by their spread)
+    known_attr: float = 0.0
 
 
 @dataclass
@@ -85,6 +89,10 @@ class Batch:
     chunk_labels: Tensor
     token_labels: Tensor
     steer_concept: Tensor
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return Batch(*(t.to(device, non_blocking=non_blocking)
+                       for t in (self.tokens, self.chunk_labels, self.token_labels, self.steer_concept)))
 
 
 def noisy_clean_mask(seq_len: int, block: int, device: torch.device | str) -> Tensor:
@@ -175,6 +183,25 @@ def steering_for_rows(model: SteerlingModel, concept: Tensor, inject_layer: int,
     # serving's alpha, capped while training: early directions can align with no token at all
     alpha = torch.where(concept >= 0, (target / peak).clamp_max(ALPHA_CAP), torch.zeros_like(peak))
     return direction, alpha.detach()
+
+
+def attribution_rank_loss(model: SteerlingModel, known_logits: Tensor, tokens: Tensor, token_labels: Tensor,
+                          masked: Tensor, max_rows: int = 4096) -> Tensor:
+    """CE that the labelled concept's contribution sigmoid(l_c) * E_c . W_lm[y] ranks first among
+    all known concepts, at masked labelled positions (what the committing forward attributes).
+    Contributions are divided by their (detached) spread per row so the loss cannot be lowered
+    by growing the embeddings alone. known_logits (B, T, C) of the noisy half."""
+    sel = masked & (token_labels >= 0)
+    logits = known_logits[sel][:max_rows]                                # (n, C)
+    if logits.shape[0] == 0:
+        return known_logits.sum() * 0.0
+    y = tokens[sel][:max_rows]
+    label = token_labels[sel][:max_rows]
+    emb = model.known_head.concept_embedding.weight[: model.cfg.n_known].float()
+    lm_rows = model.transformer.lm_head.weight[y].float()               # (n, D)
+    contrib = torch.sigmoid(logits) * (lm_rows @ emb.t())              # (n, C)
+    spread = contrib.detach().std(dim=-1, keepdim=True).clamp_min(1e-6)
+    return F.cross_entropy(contrib / spread, label)
 
 
 @dataclass
@@ -297,10 +324,14 @@ def training_loss(model: SteerlingModel, batch: Batch, generator: torch.Generato
             df = model.unknown_head.features(md_idx, md_logits).to(hm.dtype)
             concept_lm = F.cross_entropy(lm(kf + df).float(), ym)
 
+    known_attr = mdm.new_zeros(())
+    if weights.known_attr:
+        known_attr = attribution_rank_loss(model, kl_noisy, tokens, batch.token_labels, masked)
+
     total = (weights.mdm * mdm + weights.known * known + weights.known_token * known_tok
              + weights.disc * disc + weights.independence * indep + weights.steer_words * steer_words
-             + weights.concept_lm * concept_lm + weights.known_lm * known_lm)
+             + weights.concept_lm * concept_lm + weights.known_lm * known_lm + weights.known_attr * known_attr)
     terms = {"mdm": mdm, "known": known, "known_tok": known_tok, "disc": disc, "indep": indep,
              "steer_words": steer_words, "concept_lm": concept_lm, "known_lm": known_lm,
-             "steered_rows": steered.sum()}
+             "known_attr": known_attr, "steered_rows": steered.sum()}
     return LossParts(total, terms)

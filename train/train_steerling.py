@@ -30,6 +30,7 @@ from cde.steerling.config import SteerlingConfig
 from cde.steerling.loading import load_model, save_model
 from cde.steerling.model import SteerlingModel
 from train import steerling_data
+from train.prefetch import Prefetcher
 from train.steerling_objective import Batch, LossWeights, flex_attend, noisy_clean_mask, training_loss
 
 
@@ -74,6 +75,8 @@ OBJECTIVES = {
     # v2: the bottleneck carries the logit (known alone and known + discovered read the masked
     # tokens), steering asks for the concept's words somewhere in a block, not at every position
     "v2": LossWeights(steer_words=0.3, concept_lm=0.5, known_lm=0.5, steer_somewhere=True),
+    # v3: v2 + the labelled concept ranks first in the served attribution (known_attr)
+    "v3": LossWeights(steer_words=0.3, concept_lm=0.5, known_lm=0.5, steer_somewhere=True, known_attr=0.5),
 }
 H200_BF16_PEAK = 989e12     # dense bf16 FLOP/s, for the MFU figure
 
@@ -105,14 +108,27 @@ def param_groups(model: SteerlingModel, weight_decay: float) -> list[dict]:
 
 
 def to_batch(raw: steerling_data.RawBatch, device: torch.device) -> Batch:
-    return Batch(torch.from_numpy(raw.tokens.astype(np.int64)).to(device),
-                 torch.from_numpy(raw.chunk_labels.astype(np.float32)).to(device),
-                 torch.from_numpy(raw.token_labels.astype(np.int64)).to(device),
-                 torch.from_numpy(raw.steer_concept.astype(np.int64)).to(device))
+    return host_batch(raw, pin=False).to(device)
+
+
+def host_batch(raw: steerling_data.RawBatch, pin: bool) -> Batch:
+    """The batch as host tensors; pinned ones copy to the GPU without blocking the host."""
+    def put(a: np.ndarray, dtype) -> torch.Tensor:
+        t = torch.from_numpy(a.astype(dtype))
+        return t.pin_memory() if pin else t
+    return Batch(put(raw.tokens, np.int64), put(raw.chunk_labels, np.float32), put(raw.token_labels, np.int64),
+                 put(raw.steer_concept, np.int64))
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def log_profile(profiler, steps: int, cuda: bool) -> None:
+    """The profiled steps' top operators, by device time on CUDA (host time on the CPU)."""
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    log(f"profile of {steps} steps, sorted by {key}:")
+    log(profiler.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
 
 
 def train(args: argparse.Namespace) -> Path:
@@ -177,6 +193,11 @@ def train(args: argparse.Namespace) -> Path:
     flops_per_sample = train_flops_per_sample(model, shape.seq_len)
     log(f"objective {args.objective} {asdict(weights)}, attention {attention}, batch {shape.batch_size} x "
         f"{shape.seq_len}, {flops_per_sample / 1e9:.1f} GFLOP per sample")
+    pin = device.type == "cuda"
+    make = lambda: host_batch(data.batch("train", shape.batch_size, shape.seq_len, rng), pin)  # noqa: E731
+    batches = Prefetcher(make, depth=4) if args.prefetch else None
+    profiler = None
+    data_s = 0.0                 # host seconds spent waiting for batches (inline: making them)
     t0 = time.monotonic()
     stop_at = min(budget, total_s - done_s)
     last_log, last_ckpt, skipped, window = t0, t0, 0, (t0, step)
@@ -190,7 +211,14 @@ def train(args: argparse.Namespace) -> Path:
         lr = lr_at(progress, shape.lr, warmup)
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = to_batch(data.batch("train", shape.batch_size, shape.seq_len, rng), device)
+        if args.profile_steps and profiler is None and step == args.profile_after:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                              + ([torch.profiler.ProfilerActivity.CUDA] if pin else []))
+            profiler.__enter__()
+            profile_end = step + args.profile_steps
+        t_data = time.monotonic()
+        batch = (batches.next() if batches else make()).to(device, non_blocking=pin)
+        data_s += time.monotonic() - t_data
         with autocast:
             out = training_loss(model, batch, gen, weights, words, word_mask, attend_mask)
         opt.zero_grad(set_to_none=True)
@@ -206,6 +234,10 @@ def train(args: argparse.Namespace) -> Path:
         opt.step()
         step += 1
         tokens_seen += batch.tokens.numel()
+        if profiler is not None and step == profile_end:
+            profiler.__exit__(None, None, None)
+            log_profile(profiler, args.profile_steps, pin)
+            profiler = False
         now = time.monotonic()
         if now - last_log >= args.log_every_s or step == 1:
             last_log = now
@@ -215,13 +247,15 @@ def train(args: argparse.Namespace) -> Path:
             row = {"skipped": skipped, "step": step, "elapsed_s": round(done_s + now - t0, 1), "lr": lr,
                    "loss": float(out.total.detach()), "grad_norm": grad_norm, "tokens": tokens_seen,
                    "tok_per_s": round(rate * shape.seq_len), "mfu": round(rate * flops_per_sample / H200_BF16_PEAK, 4),
-                   **out.parts}
+                   "data_share": round(data_s / max(now - t0, 1e-9), 3), **out.parts}
             history.append(row)
             log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         if ckpt and args.checkpoint_every_s and now - last_ckpt >= args.checkpoint_every_s:
             last_ckpt = now
             save_checkpoint(ckpt, model, opt, done_s + now - t0, step, tokens_seen, history)
     train_s = time.monotonic() - t0
+    if batches:
+        batches.close()
     log(f"trained {step} steps, {tokens_seen / 1e6:.1f}M tokens in {train_s:.0f}s this command "
         f"({tokens_seen / max(done_s + train_s, 1e-9) / 1e6:.2f}M tok/s overall, {done_s + train_s:.0f} of {total_s:.0f} s)")
     if ckpt:
@@ -298,6 +332,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-every-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="regionally compile the layers' pointwise parts")
+    ap.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                    help="make each batch inline instead of on a background thread")
+    ap.add_argument("--profile-steps", type=int, default=0, help="log a torch.profiler table of this many steps")
+    ap.add_argument("--profile-after", type=int, default=10, help="... starting after this many steps")
     ap.add_argument("--resume", default=None, help="start from this bundle's weights")
     ap.add_argument("--objective", choices=sorted(OBJECTIVES), default="v2")
     ap.add_argument("--loss-weight", action="append", default=[], metavar="NAME=VALUE",
