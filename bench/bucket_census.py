@@ -8,7 +8,7 @@ buckets are host-side decisions).
 2. Closed loop: C users whose first requests arrive a few steps apart, each submitting its
    next request the step its last one finishes (what locust's users do through the services),
    for --steps steps.
-Prints and writes the distinct CUDA-graph keys of each (`steerling_engine.graph_keys`: the
+Prints and writes the distinct CUDA-graph keys of each (`steerling_graphs.graph_keys`: the
 trunk's (rows, pages) and the heads and sampler's (rows, tokens per step, head rows)), the
 closed-loop keys the lockstep run never used, and those the warm-up's `capture_plan` lacks:
 with CUDA graphs each of those would be a capture while serving.
@@ -24,9 +24,11 @@ from pathlib import Path
 
 from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
-from cde.steerling.reference_decoder import DecodeOptions
+from cde.options import DecodeOptions
 from cde.steerling.sampling import SamplingParams
-from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine, graph_keys
+from worker_svc.engine.job import Job
+from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine
+from worker_svc.engine.steerling_graphs import graph_keys
 
 
 def census(concurrency: int, steps: int, prompt_tokens: int = 128, new_tokens: int = 256, seed: int = 0) -> dict:
@@ -34,22 +36,24 @@ def census(concurrency: int, steps: int, prompt_tokens: int = 128, new_tokens: i
     engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=16 * concurrency + 64)
     keys: list[tuple] = []
     launched = [0]
-    execute = engine._execute_device
+    strategy = engine.strategy
+    execute = strategy._execute_device
 
     def recording(rb, pb, hb, layout, fwd, smp):
         launched[0] += 1
-        keys.extend(graph_keys(rb, pb, layout.tokens_per_step, hb, engine.capture_rows))
+        keys.extend(graph_keys(rb, pb, layout.tokens_per_step, hb, strategy.capture_rows))
         return execute(rb, pb, hb, layout, fwd, smp)
 
-    engine._execute_device = recording
+    strategy._execute_device = recording
     rng = random.Random(seed)
     n = 0
 
     def submit():
         nonlocal n
         n += 1
-        return engine.submit(f"r{n}", [rng.randrange(256) for _ in range(prompt_tokens)],
-                             DecodeOptions(new_tokens, SamplingParams(), seed=rng.randrange(1 << 30)))
+        return engine.submit(Job(f"r{n}", [rng.randrange(256) for _ in range(prompt_tokens)],
+                                 DecodeOptions(new_tokens, SamplingParams(), tokens_per_step=1,
+                                               confidence_threshold=None, seed=rng.randrange(1 << 30), stop_ids=())))
 
     for _ in range(concurrency):
         submit()
@@ -69,12 +73,13 @@ def census(concurrency: int, steps: int, prompt_tokens: int = 128, new_tokens: i
                 live[user] = submit()
     closed = set(keys)
     unseen = sorted(closed - lockstep)
-    plan = set(engine.capture_plan())
+    plan = set(strategy.capture_plan())
     uncaptured = sorted(k for k in closed | lockstep if k[0] != "eager" and k not in plan)
     return {"concurrency": concurrency, "closed_loop_steps": launched[0], "lockstep_keys": sorted(lockstep),
             "closed_loop_keys": sorted(closed), "closed_loop_keys_not_in_lockstep": unseen,
             "closed_loop_graph_replays_on_those_keys": sum(k in set(unseen) for k in keys),
-            "capture_rows": engine.capture_rows, "capture_plan_keys": len(plan), "keys_not_in_capture_plan": uncaptured}
+            "capture_rows": strategy.capture_rows, "capture_plan_keys": len(plan),
+            "keys_not_in_capture_plan": uncaptured}
 
 
 def main(argv: list[str] | None = None) -> None:

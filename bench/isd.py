@@ -36,7 +36,9 @@ from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
 from bench.steerling import GcPauses, GpuTimer, json_writer, run_record
 from cde.steerling.random_weights import random_model
-from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
+from cde.options import IsdOptions
+from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent
+from worker_svc.engine.job import Job
 
 
 def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> Qwen3Model:
@@ -46,14 +48,15 @@ def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> Qw
 
 class StepClock:
     """Splits the engine's steps into host time before the launch, GPU busy time of the device
-    step (CUDA events) and host time applying the results, by wrapping the engine's `step`,
-    `_device_step` and `_apply`. `reset()` before a measured stretch, `report()` after it."""
+    step (CUDA events) and host time applying the results, by wrapping the engine's `step` and its
+    strategy's `device_step` and `apply`. `reset()` before a measured stretch, `report()` after it."""
 
     def __init__(self, engine: IsdEngine, cuda: bool):
         self.gpu = GpuTimer(cuda)
         self.gc = GcPauses()   # the collector's pauses inside the measured stretch
         self.reset()
-        step, device_step, apply = engine.step, self.gpu.wrap(engine._device_step), engine._apply
+        strategy = engine.strategy
+        step, device_step, apply = engine.step, self.gpu.wrap(strategy.device_step), strategy.apply
         started = [0.0]
 
         def timed_step() -> None:
@@ -70,7 +73,7 @@ class StepClock:
             apply(*args)
             self.apply_s += time.perf_counter() - t
 
-        engine.step, engine._device_step, engine._apply = timed_step, timed_device_step, timed_apply
+        engine.step, strategy.device_step, strategy.apply = timed_step, timed_device_step, timed_apply
 
     def reset(self) -> None:
         self.gpu.pairs.clear()
@@ -91,8 +94,9 @@ def submit_requests(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, n
                     temperature: float, seed: int, tag: str = "isd") -> list:
     gen = torch.Generator().manual_seed(seed)
     vocab = min(cfg.vocab_size, 150_000)
-    opts = [IsdOptions(new_tokens, stride=stride, temperature=temperature, seed=i) for i in range(concurrency)]
-    return [engine.submit(f"{tag}-{seed}-{i}", torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), o)
+    opts = [IsdOptions(new_tokens, stride=stride, temperature=temperature, top_k=0, top_p=1.0, seed=i,
+                       proposal="sample", lora_gated=True, stop_ids=()) for i in range(concurrency)]
+    return [engine.submit(Job(f"{tag}-{seed}-{i}", torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), o))
             for i, o in enumerate(opts)]
 
 
@@ -115,7 +119,8 @@ def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_toke
     t0 = time.perf_counter()
     prefill(engine, handles)
     prefill_s = time.perf_counter() - t0
-    s0, c0, o0, tokens0 = engine.steps, engine.compiles, engine.overlapped_steps, sum(len(h.out) for h in handles)
+    s0, c0, o0 = engine.steps, engine.strategy.compiles, engine.overlapped_steps
+    tokens0 = sum(len(h.out) for h in handles)
     g0 = engine.stats().graphs
     clock.reset()
     t = time.perf_counter()
@@ -136,7 +141,7 @@ def run_once(engine: IsdEngine, cfg, concurrency: int, prompt_len: int, new_toke
             "tokens_per_forward_per_request": generated / max(steps, 1) / concurrency,
             "acceptance": accepted / proposed if proposed else None, "prefill_s": prefill_s,
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-            "pages_total": engine.kv.pool.usable, "recompiles": engine.compiles - c0,
+            "pages_total": engine.kv.pool.usable, "recompiles": engine.strategy.compiles - c0,
             "graphs": engine.stats().graphs, "graphs_captured_in_run": engine.stats().graphs - g0}
 
 
@@ -162,8 +167,9 @@ def profile_steps(engine: IsdEngine, cfg, concurrency: int, stride: int, prompt_
     from torch.profiler import ProfilerActivity, profile
 
     cuda = engine.device.type == "cuda"
-    replay = engine._device_step
-    engine._device_step = engine.runner.step
+    strategy = engine.strategy
+    replay = strategy.device_step
+    strategy.device_step = strategy.runner.step
     handles = submit_requests(engine, cfg, concurrency, prompt_len, new_tokens, stride, temperature, 4242, "prof")
     try:
         prefill(engine, handles)
@@ -178,7 +184,7 @@ def profile_steps(engine: IsdEngine, cfg, concurrency: int, stride: int, prompt_
             sync()
             wall = (time.perf_counter() - t) / steps
     finally:
-        engine._device_step = replay
+        strategy.device_step = replay
         for h in handles:
             engine.cancel(h.request_id)
         engine.run_until_idle()
@@ -273,11 +279,13 @@ def main() -> None:
                 if engine.stats().graphs == before:
                     break
     result["warmup_s"] = time.perf_counter() - t
-    result["compiles_after_warmup"] = engine.compiles
+    result["compiles_after_warmup"] = engine.strategy.compiles
     engine.freeze_heap()   # as IsdEngine.warmup does before a worker serves
     # decode windows through the Triton paged attention (worker_svc/engine/attention.py)?
-    result["paged_attention"] = engine.runner.use_paged_attention and engine.runner.paged_calls > 0
-    print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}, paged attention {result['paged_attention']}", flush=True)
+    runner = engine.strategy.runner
+    result["paged_attention"] = runner.use_paged_attention and runner.paged_calls > 0
+    print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.strategy.compiles}, "
+          f"paged attention {result['paged_attention']}", flush=True)
     for i, c in enumerate(concs):
         for n in strides:
             if cuda:

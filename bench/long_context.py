@@ -77,8 +77,9 @@ def prefill_rows(args) -> dict:
 def steerling_side(args, cuda: bool, dtype) -> EngineSide:
     from bench.steerling import build_model
     from cde.steerling.config import preset
-    from cde.steerling.reference_decoder import DecodeOptions
+    from cde.options import DecodeOptions
     from cde.steerling.sampling import SamplingParams
+    from worker_svc.engine.job import Job
     from worker_svc.engine.steerling_engine import BlockEvent, SteerlingEngine, StepEvent
 
     cfg = preset(args.preset)
@@ -87,11 +88,12 @@ def steerling_side(args, cuda: bool, dtype) -> EngineSide:
     engine = SteerlingEngine(model, tokenizer_vocab_size=None, max_slots=slots, n_pages=args.max_pages,
                              compile=cuda and not args.no_compile, cuda_graphs=cuda and not args.no_cuda_graphs,
                              **prefill_rows(args))
-    engine.want_records = False
+    engine.strategy.want_records = False
 
     def submit(rid, prompt, new_tokens, _variant, seed):
-        return engine.submit(rid, prompt, DecodeOptions(new_tokens, SamplingParams(), seed=seed,
-                                                        tokens_per_step=args.tokens_per_step))
+        return engine.submit(Job(rid, prompt, DecodeOptions(new_tokens, SamplingParams(), seed=seed,
+                                                            tokens_per_step=args.tokens_per_step,
+                                                            confidence_threshold=None, stop_ids=())))
 
     return EngineSide("steerling", engine, min(cfg.vocab_size, 100_000), cfg.block_size,
                       (cfg.n_layers, cfg.n_embd, cfg.n_head, cfg.n_kv_heads, cfg.intermediate_size, cfg.vocab_size),
@@ -103,7 +105,9 @@ def steerling_side(args, cuda: bool, dtype) -> EngineSide:
 def isd_side(args, cuda: bool, dtype) -> EngineSide:
     from bench.isd import build_model
     from cde.qwen3.config import preset
-    from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine, IsdOptions
+    from cde.options import IsdOptions
+    from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine
+    from worker_svc.engine.job import Job
 
     cfg = preset(args.preset)
     strides = [int(n) for n in args.strides.split(",") if n]
@@ -114,7 +118,9 @@ def isd_side(args, cuda: bool, dtype) -> EngineSide:
                        **prefill_rows(args))
 
     def submit(rid, prompt, new_tokens, stride, seed):
-        return engine.submit(rid, prompt, IsdOptions(new_tokens, stride=stride, seed=seed))
+        return engine.submit(Job(rid, prompt, IsdOptions(new_tokens, stride=stride, temperature=0.0, top_k=0,
+                                                         top_p=1.0, seed=seed, proposal="sample", lora_gated=True,
+                                                         stop_ids=())))
 
     first = lambda ev: isinstance(ev, IsdCommitEvent)   # noqa: E731 (t0 is the first commit)
     return EngineSide("isd", engine, min(cfg.vocab_size, 150_000), cfg.max_positions,
@@ -136,8 +142,8 @@ def sync() -> None:
 
 class Tracker:
     """Per request: when its first decode-only step was launched (its prompt is in the cache),
-    when its first output and each decode step's events reached the host. Wraps the engine's
-    `_launch` (the step loop calls it through the instance)."""
+    when its first output and each decode step's events reached the host. Wraps the strategy's
+    `execute` (the step loop calls it through the instance)."""
 
     def __init__(self, side: EngineSide):
         self.side = side
@@ -148,9 +154,11 @@ class Tracker:
         self.handles: list = []
         self.launch_rows: list[int] = []   # rows of every step launched, in order
         self.gc = GcPauses()               # the collector's pauses, summed
-        launch = side.engine._launch
+        strategy = side.engine.strategy
+        execute = strategy.execute
 
-        def tracked_launch(rows, overlapped=False):
+        def tracked_execute(plan):
+            rows = plan.rows
             self.launch_rows.append(len(rows))
             now = time.perf_counter()
             decodes: dict[str, bool] = {}
@@ -165,10 +173,10 @@ class Tracker:
                 now = time.perf_counter()
             for rid in first:
                 self.decode_launch[rid] = now
-                self.decode_launch_forward[rid] = side.engine.forwards
-            return launch(rows, overlapped)
+                self.decode_launch_forward[rid] = strategy.forwards
+            return execute(plan)
 
-        side.engine._launch = tracked_launch
+        strategy.execute = tracked_execute
 
     def submit(self, tag: str, n: int, prompt_len: int, new_tokens: int, variant, seed: int) -> list:
         gen = torch.Generator().manual_seed(seed)
@@ -209,7 +217,7 @@ def decode_run(tracker: Tracker, c: int, context: int, new_tokens: int, variant,
     prompt_len = context - new_tokens
     handles = tracker.submit("dec", c, prompt_len, new_tokens, variant, seed)
     t0 = time.perf_counter()
-    c0, g0 = eng.compiles, eng.stats().graphs
+    c0, g0 = eng.strategy.compiles, eng.stats().graphs
     tracker.step_until(lambda: all(h.request_id in tracker.decode_launch for h in handles))
     # timed from the launch of the first step in which every request only decodes
     last = max(handles, key=lambda h: tracker.decode_launch[h.request_id]).request_id
@@ -220,12 +228,12 @@ def decode_run(tracker: Tracker, c: int, context: int, new_tokens: int, variant,
     tracker.step_until(lambda: any(h.finished for h in handles))
     sync()
     wall = time.perf_counter() - t
-    forwards = eng.forwards - f0
+    forwards = eng.strategy.forwards - f0
     tracker.finish()
     return {"kind": "decode", "decoder": tracker.side.label(variant), "stride": variant, "concurrency": c,
             "context": context, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "prefill_s": prefill_s,
             "forwards": forwards, "wall_s": wall, "ms_per_forward": wall / max(forwards, 1) * 1e3,
-            "recompiles": eng.compiles - c0, "graph_captures_while_timed": eng.stats().graphs - g0}
+            "recompiles": eng.strategy.compiles - c0, "graph_captures_while_timed": eng.stats().graphs - g0}
 
 
 def _summary(xs: list[float]) -> dict | None:
@@ -333,7 +341,8 @@ def main() -> None:
     ttfb_prompts = [min(int(p), side.max_context - side.first_block_tokens(0)) for p in args.ttfb_prompts.split(",") if p]
     result = run_record("bench.long_context", args.preset, side.name, cuda, dtype, engine=args.engine,
                         new_tokens=args.new_tokens, tokens_per_step=args.tokens_per_step if args.engine == "steerling" else None,
-                        max_prefill_rows=side.engine.max_prefill_rows, floor=[], prefill_floor=[], runs=[], ttfb=[], joins=[])
+                        max_prefill_rows=side.engine.strategy.max_prefill_rows, floor=[], prefill_floor=[], runs=[],
+                        ttfb=[], joins=[])
     save = json_writer(args.out, result)
     print(f"model + engine ready in {time.perf_counter() - t:.0f} s; pages {side.engine.kv.pool.usable}", flush=True)
 

@@ -51,8 +51,9 @@ from cde.launch import ROOT, Stack, child_pids
 from cde.steerling.config import SteerlingConfig, preset
 from cde.steerling.random_weights import write_benchmark_model_dir
 from cde.steerling.tokenizer import BPE_ENV_VAR
-from cde.steerling.reference_decoder import DecodeOptions
+from cde.options import DecodeOptions
 from cde.steerling.sampling import SamplingParams
+from worker_svc.engine.job import Job
 from worker_svc.engine.steerling_engine import BlockEvent, FinishEvent, SteerlingEngine
 
 LOCUSTFILE = ROOT / "bench" / "locust_sse.py"
@@ -386,12 +387,13 @@ def closed_loop(engine: SteerlingEngine, concurrency: int, duration: float, prom
         nonlocal n
         prompt = torch.randint(0, bound, (prompt_tokens,), generator=rng).tolist()
         # no StepEvents, as the worker's requests that nobody watches denoise
-        handle = engine.submit(f"loop-{seed}-{n}", prompt, DecodeOptions(new_tokens, SamplingParams(), seed=seed * 7919 + n),
-                               stream_steps=False)
+        options = DecodeOptions(new_tokens, SamplingParams(), tokens_per_step=1, confidence_threshold=None,
+                                seed=seed * 7919 + n, stop_ids=())
+        handle = engine.submit(Job(f"loop-{seed}-{n}", prompt, options, stream_steps=False))
         live[user] = (handle, time.time(), time.perf_counter(), [])
         n += 1
 
-    engine.want_records = False
+    engine.strategy.want_records = False
     for u in range(concurrency):
         submit(u)
     end_at = time.perf_counter() + duration

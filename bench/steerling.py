@@ -30,9 +30,10 @@ import torch
 from cde.steerling.config import preset
 from cde.steerling.model import SteerlingModel
 from cde.steerling.random_weights import random_model, tie_embeddings
-from cde.steerling.reference_decoder import DecodeOptions
+from cde.options import DecodeOptions
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import SteeringSpec, prepare
+from worker_svc.engine.job import Job
 from worker_svc.engine.steerling_engine import BlockEvent, SteerlingEngine
 
 
@@ -139,15 +140,15 @@ def run_once(engine: SteerlingEngine, model, concurrency: int, prompt_len: int, 
                             schedule="fixed")
         steering = prepare(spec, model.known_head.embeddings(torch.tensor([1, 2], device=model.rope_cos.device)),
                            model.transformer.lm_head.weight, cfg.n_layers)
-    engine.want_records = on
+    engine.strategy.want_records = on
     handles = []
     for i in range(concurrency):
         prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
         opts = DecodeOptions(new_tokens, SamplingParams(), tokens_per_step=tokens_per_step,
-                             confidence_threshold=threshold, seed=seed * 1000 + i)
-        handles.append(engine.submit(f"bench-{seed}-{i}", prompt, opts, steering))
+                             confidence_threshold=threshold, seed=seed * 1000 + i, stop_ids=())
+        handles.append(engine.submit(Job(f"bench-{seed}-{i}", prompt, opts, steering=steering)))
     timer.pairs.clear()
-    f0, s0, c0, o0 = engine.forwards, engine.steps, engine.compiles, engine.overlapped_steps
+    f0, s0, c0, o0 = engine.strategy.forwards, engine.steps, engine.strategy.compiles, engine.overlapped_steps
     peak_pages = 0
     t0 = time.perf_counter()
     first_block: dict[str, float] = {}
@@ -164,7 +165,7 @@ def run_once(engine: SteerlingEngine, model, concurrency: int, prompt_len: int, 
     wall = time.perf_counter() - t0
     generated = sum(len([t for t in h.seq[len(h.prompt):] if t != cfg.mask_id]) for h in handles)
     gaps = [b - a for ts in block_times.values() for a, b in zip(ts, ts[1:])]
-    forwards = engine.forwards - f0
+    forwards = engine.strategy.forwards - f0
     busy = timer.busy_s() if timer.enabled else None
     return {
         "concurrency": concurrency, "attribution": on, "steering": on, "stride": None,
@@ -180,7 +181,7 @@ def run_once(engine: SteerlingEngine, model, concurrency: int, prompt_len: int, 
         "gpu_idle_frac": (max(0.0, 1 - busy / wall)) if busy is not None else None,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
         "peak_pages_used": peak_pages, "pages_total": engine.kv.pool.usable,
-        "recompiles": engine.compiles - c0, "steps": engine.steps - s0,
+        "recompiles": engine.strategy.compiles - c0, "steps": engine.steps - s0,
         "overlapped_steps": engine.overlapped_steps - o0,
     }
 
@@ -195,7 +196,8 @@ def profile_steps(model, concurrency: int, prompt_len: int, vocab: int, compile_
     gen = torch.Generator().manual_seed(7)
     for i in range(concurrency):
         prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-        eng.submit(f"prof-{i}", prompt, DecodeOptions(256, SamplingParams(), seed=i))
+        opts = DecodeOptions(256, SamplingParams(), tokens_per_step=1, confidence_threshold=None, seed=i, stop_ids=())
+        eng.submit(Job(f"prof-{i}", prompt, opts))
     for _ in range(4):   # prefill, commit and the first decode steps, compiles
         eng.step()
     torch.cuda.synchronize()
@@ -292,7 +294,7 @@ def main() -> None:
     def make_engine(compile_: bool) -> SteerlingEngine:
         eng = SteerlingEngine(model, tokenizer_vocab_size=None, max_slots=max(concs + [64]), n_pages=args.max_pages,
                      compile=compile_, cuda_graphs=cuda, overlap=not args.no_overlap)
-        eng._execute_device = timer.wrap(eng._execute_device)
+        eng.strategy._execute_device = timer.wrap(eng.strategy._execute_device)
         return eng
 
     compiled = cuda and not args.no_compile
@@ -311,7 +313,7 @@ def main() -> None:
         for c in warm:
             for k, thr in settings:   # every tokens-per-step bucket the runs use
                 run_once(engine, model, c, args.prompt_tokens, warm_len[c], True, 999, vocab, timer, k, thr)
-            print(f"  warm C={c} at {time.perf_counter() - t:.0f} s, compiles {engine.compiles}, "
+            print(f"  warm C={c} at {time.perf_counter() - t:.0f} s, compiles {engine.strategy.compiles}, "
                   f"graphs {engine.stats().graphs}", flush=True)
     except Exception as exc:  # keep measuring: eager + CUDA graphs
         import traceback
@@ -326,8 +328,9 @@ def main() -> None:
                 run_once(engine, model, c, args.prompt_tokens, warm_len[c], True, 999, vocab, timer, k, thr)
     result["compiled"] = compiled
     result["warmup_s"] = time.perf_counter() - t
-    result["compiles_after_warmup"] = engine.compiles
-    print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.compiles}, graphs {engine.stats().graphs}", flush=True)
+    result["compiles_after_warmup"] = engine.strategy.compiles
+    print(f"warm-up {result['warmup_s']:.0f} s, compiles {engine.strategy.compiles}, graphs {engine.stats().graphs}",
+          flush=True)
 
     plan = [(c, True, args.new_tokens, k, thr) for k, thr in settings for c in concs]
     plan += [(c, False, args.new_tokens, k, thr) for k, thr in settings for c in offs]

@@ -60,8 +60,10 @@ class AttributionSession:
     replay into a reopened stream)."""
 
     def __init__(self, pool: AttributionPool, request_id: str, model: str, mode: int, top_k: int,
-                 stop_ids: set[int], history: Callable[[], Awaitable[list[common_pb2.BlockCommitted]]]):
+                 stop_ids: set[int], history: Callable[[], Awaitable[list[common_pb2.BlockCommitted]]],
+                 first_block: int = 0):
         self.pool = pool
+        self.first_block = first_block   # absolute index of the request's block 0
         self.request_id = request_id
         self.model = model
         self.mode = mode
@@ -83,10 +85,22 @@ class AttributionSession:
             raise RuntimeError(f"attribution stream answered {resp!r} for block {req.block_index}")
         return resp
 
-    async def _open(self) -> None:
-        self._call = self.pool.next_stub().Attribute()
-        for old in await self.history():   # rebuild the open chunk's state on the new stream
-            await self._exchange(self._request(old, False))
+    async def _open(self, before: int) -> None:
+        """A new stream that has seen every stored block before block ``before`` (the open chunk
+        may span them). The stream is kept only once the replay is complete: a replay cut short
+        (Redis failing over, the replica dying) must not leave a stream that lacks those blocks."""
+        call = self.pool.next_stub().Attribute()
+        try:
+            old = [b for b in await self.history() if b.block_index < before]
+            if [b.block_index for b in old] != list(range(self.first_block, before)):
+                raise RuntimeError(f"stored blocks {[b.block_index for b in old]} do not lead up to block {before}")
+            self._call = call
+            for b in old:
+                await self._exchange(self._request(b, False))
+        except BaseException:
+            self._call = None
+            call.cancel()
+            raise
 
     async def attach(self, block: common_pb2.BlockCommitted, last: bool) -> None:
         """Add the block's attributions to it (none when no replica answers)."""
@@ -99,13 +113,18 @@ class AttributionSession:
         for attempt in range(len(self.pool) + 1):
             try:
                 if self._call is None:
-                    await self._open()
+                    await self._open(block.block_index)
                 return await self._exchange(self._request(block, last))
             # InvalidStateError: the replica died and the stream ended before our write
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError, RuntimeError) as e:
                 log.warning("attribution for %s block %d failed (attempt %d): %s", self.request_id,
                             block.block_index, attempt + 1, e)
                 self._drop()
+            except BaseException:
+                # Cancelled (the worker was declared lost) or a Redis error while replaying: the
+                # stream may hold a message with no answer read, so it is not used again.
+                self._drop()
+                raise
         log.error("attribution unavailable: %s block %d goes out without attributions", self.request_id,
                   block.block_index)
         return None
@@ -125,10 +144,11 @@ class AttributionSession:
 
 
 def attribution_session(pool: AttributionPool | None, request: scheduler_pb2.SubmitRequest,
-                        history: Callable[[], Awaitable[list[common_pb2.BlockCommitted]]]) -> AttributionSession | None:
+                        history: Callable[[], Awaitable[list[common_pb2.BlockCommitted]]],
+                        first_block: int = 0) -> AttributionSession | None:
     """The request's Attribute stream; None when it asked for no attributions or no replica
     is configured."""
     if pool is None or request.attribution == common_pb2.ATTRIBUTION_NONE:
         return None
     return AttributionSession(pool, request.request_id, request.model, request.attribution,
-                              request.attribution_top_k, set(request.options.stop_ids), history)
+                              request.attribution_top_k, set(request.options.stop_ids), history, first_block)

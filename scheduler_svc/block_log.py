@@ -25,7 +25,8 @@ class BlockLog:
         self.fanout = fanout
         self.first_block = first_block(request)   # absolute index of the request's block 0
         self.next_block = 0                       # next block Redis expects
-        self.attribution = attribution_session(ctx.attribution, request, self.stored)
+        self.attribution = attribution_session(ctx.attribution, request, self._stored_for_attribution,
+                                               self.first_block)
 
     @property
     def wants_records(self) -> bool:
@@ -34,6 +35,9 @@ class BlockLog:
 
     async def stored(self) -> list[common_pb2.BlockCommitted]:
         return [common_pb2.BlockCommitted.FromString(p) for _, p in await self.ctx.store.blocks(self.rid)]
+
+    async def _stored_for_attribution(self) -> list[common_pb2.BlockCommitted]:
+        return await with_redis_retries(self.ctx, self.rid, self.stored, "reading the stored blocks to attribute")
 
     async def resume_at(self, next_block: int) -> list[common_pb2.BlockCommitted]:
         """The stored blocks a new attempt continues after (0 .. next_block - 1; a request with

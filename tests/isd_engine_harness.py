@@ -15,9 +15,12 @@ import torch
 
 from cde.isd.decoder import generate_ar_batch, generate_isd_batch
 from cde.qwen3.model import Qwen3Model
+from tests.options import isd_options
 from tests.tiny_models import stopping_lag_model, tiny_model
-from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine, IsdFinishEvent, IsdOptions
+from cde.options import IsdOptions
+from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine, IsdFinishEvent
 from worker_svc.engine.isd_runner import IsdInputs, greedy_verify
+from worker_svc.engine.job import Job
 
 LENGTHS = (1, 5, 63, 64, 65, 130)   # prompt lengths around the 64-token page
 NEW = 24
@@ -50,7 +53,7 @@ def run_in_waves(engine: IsdEngine, jobs: list[tuple[str, list[int], IsdOptions]
     per_wave = -(-len(jobs) // waves)
     for w in range(waves):
         for rid, prompt, opts in jobs[w * per_wave:(w + 1) * per_wave]:
-            handles[rid] = engine.submit(rid, prompt, opts)
+            handles[rid] = engine.submit(Job(rid, prompt, opts))
         for _ in range(steps_between):
             engine.step()
     engine.run_until_idle()
@@ -149,7 +152,7 @@ def triton_engine_child(seed: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed={seed} K={k}: kernel {got} != {want}"
     model = stopping_lag_model(seed)
     rng = random.Random(seed)
-    jobs = [(f"c{c}-{i}", prompt, IsdOptions(16, stride=n, temperature=t, top_k=k, top_p=p, proposal=prop,
+    jobs = [(f"c{c}-{i}", prompt, isd_options(16, stride=n, temperature=t, top_k=k, top_p=p, proposal=prop,
                                              seed=rng.randrange(1 << 40)))
             for c, (n, t, k, p, prop) in enumerate(SAMPLED)
             for i, prompt in enumerate(prompts_for(model, rng, (3, 65)))]

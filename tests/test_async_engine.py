@@ -10,8 +10,10 @@ import torch
 
 from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
-from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.reference_decoder import generate
+from tests.options import decode_options
 from worker_svc.engine.async_engine import AsyncEngine
+from worker_svc.engine.job import Job
 from worker_svc.engine.steerling_engine import BlockEvent, FinishEvent, SteerlingEngine, StepEvent
 
 VOCAB = 264
@@ -24,17 +26,17 @@ def test_concurrent_streams_match_reference_and_close_cancels():
     front.start()
 
     async def collect(rid, prompt, opts):
-        return [e async for e in front.generate(rid, prompt, opts)]
+        return [e async for e in front.generate(Job(rid, prompt, opts))]
 
     async def early_close():
-        stream = front.generate("quit", list(range(20)), DecodeOptions(300, seed=9))
+        stream = front.generate(Job("quit", list(range(20)), decode_options(300, seed=9)))
         async for ev in stream:
             if isinstance(ev, BlockEvent):
                 break
         await stream.aclose()
 
     async def main():
-        jobs = [collect(f"r{i}", list(range(5 + 40 * i)), DecodeOptions(70, seed=i)) for i in range(3)]
+        jobs = [collect(f"r{i}", list(range(5 + 40 * i)), decode_options(70, seed=i)) for i in range(3)]
         results = await asyncio.gather(*jobs, early_close())
         return results[:3]
 
@@ -44,7 +46,7 @@ def test_concurrent_streams_match_reference_and_close_cancels():
             fin = events[-1]
             assert isinstance(fin, FinishEvent)
             assert any(isinstance(e, StepEvent) for e in events)
-            ref = generate(model, list(range(5 + 40 * i)), DecodeOptions(70, seed=i), tokenizer_vocab_size=VOCAB)
+            ref = generate(model, list(range(5 + 40 * i)), decode_options(70, seed=i), tokenizer_vocab_size=VOCAB)
             assert fin.output_tokens == ref.output_tokens
         for _ in range(100):   # the closed stream's request is cancelled at the next step
             if engine.stats().running == 0 and engine.stats().waiting == 0:
@@ -65,8 +67,8 @@ def test_a_request_without_step_streaming_gets_only_blocks_with_the_same_step_co
     front.start()
 
     async def collect(rid, stream_steps):
-        return [e async for e in front.generate(rid, list(range(30)), DecodeOptions(150, seed=4),
-                                                stream_steps=stream_steps)]
+        return [e async for e in front.generate(Job(rid, list(range(30)), decode_options(150, seed=4),
+                                                stream_steps=stream_steps))]
 
     async def main():
         return await asyncio.gather(collect("steps", True), collect("blocks", False))
@@ -107,21 +109,21 @@ def test_submit_and_cancel_do_not_wait_for_the_step_in_flight():
         def query(self) -> bool:
             return gate.is_set()
 
-    launch = engine._launch
+    execute = engine.strategy.execute
 
-    def slow_launch(rows, overlapped=False):
-        step = launch(rows, overlapped)
+    def slow_execute(plan):
+        step = execute(plan)
         step.done = SlowCopy()
         return step
 
-    engine._launch = slow_launch
+    engine.strategy.execute = slow_execute
     front = AsyncEngine(engine)
     front.start()
     try:
-        engine.submit("a", list(range(10)), DecodeOptions(64, seed=1))
+        engine.submit(Job("a", list(range(10)), decode_options(64, seed=1)))
         assert waiting.wait(30), "the step thread never waited for a step's results"
         t = time.perf_counter()
-        engine.submit("b", list(range(12)), DecodeOptions(64, seed=2))
+        engine.submit(Job("b", list(range(12)), decode_options(64, seed=2)))
         assert engine.cancel("a")
         held = time.perf_counter() - t
         assert held < 1.0, f"submit + cancel waited {held:.1f} s for the step in flight"

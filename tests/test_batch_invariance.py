@@ -29,11 +29,13 @@ import redis
 import torch
 
 from cde.steerling.config import TINY
-from cde.steerling.reference_decoder import DecodeOptions
+from cde.options import DecodeOptions
 from cde.steerling.sampling import SamplingParams
+from tests.options import decode_options
 from tests.stack_fixture import chat_body, kill, parse_sse_line, running_stack, worker_info, workers
 from tests.steerling_engine_cases import VOCAB, make_model
 from worker_svc.engine.attention import block_rows_attend
+from worker_svc.engine.job import Job
 from worker_svc.engine.kv_cache import KVCache
 from worker_svc.engine.steerling_engine import BlockEvent, SteerlingEngine
 
@@ -72,15 +74,15 @@ def _blocks(model, x_prompt, x_opts, company=(), steps_before=0, later=(), resum
     `resume` = (committed, next_step) when given), then `later` requests; run to the end."""
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=96)
     for i, (prompt, opts) in enumerate(company):
-        engine.submit(f"c{i}", prompt, opts)
+        engine.submit(Job(f"c{i}", prompt, opts))
     for _ in range(steps_before):
         engine.step()
-    committed, next_step = resume or (None, 0)
-    x = engine.submit("x", x_prompt, x_opts, committed=committed, next_step=next_step)
+    committed, next_step = resume or ((), 0)
+    x = engine.submit(Job("x", x_prompt, x_opts, committed=committed, next_step=next_step))
     for _ in range(5):
         engine.step()
     for i, (prompt, opts) in enumerate(later):
-        engine.submit(f"l{i}", prompt, opts)
+        engine.submit(Job(f"l{i}", prompt, opts))
     engine.run_until_idle()
     return [e for e in engine.drain(x) if isinstance(e, BlockEvent)]
 
@@ -106,10 +108,11 @@ def test_a_requests_records_do_not_depend_on_its_company_or_a_replay(seed):
     model = make_model(seed, dtype=torch.float32)
     rng = random.Random(seed)
     x_prompt = [rng.randrange(256) for _ in range(40)]
-    x_opts = DecodeOptions(200, SamplingParams(), tokens_per_step=4, seed=rng.randrange(1 << 40))
+    x_opts = decode_options(200, sampling=SamplingParams(), tokens_per_step=4, seed=rng.randrange(1 << 40))
 
     def other(n_prompt: int, new: int = 200) -> tuple[list[int], DecodeOptions]:
-        return [rng.randrange(256) for _ in range(n_prompt)], DecodeOptions(new, SamplingParams(), tokens_per_step=4,
+        return [rng.randrange(256) for _ in range(n_prompt)], decode_options(new, sampling=SamplingParams(),
+                                                                             tokens_per_step=4,
                                                                              seed=rng.randrange(1 << 40))
 
     alone = _blocks(model, x_prompt, x_opts)

@@ -12,9 +12,10 @@ from cde.steerling.catalog import ConceptCatalog
 from cde.steerling.config import TINY, SteerlingConfig
 from cde.steerling.loading import load_model
 from cde.steerling.make_tiny import make_tiny
-from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.reference_decoder import generate
 from cde.steerling.steering import SteeringSpec, prepare
 from cde.steerling.tokenizer import load_tokenizer
+from tests.options import decode_options
 
 TINY_DIR = Path(__file__).resolve().parents[1] / "models" / "steerling-tiny"
 
@@ -38,7 +39,7 @@ def test_chat_generation_with_steering_and_attribution_end_to_end():
     spec = SteeringSpec.amplify([ocean.concept_id], inject_layer=2)
     steering = prepare(spec, model.known_head.embeddings(torch.tensor(spec.concept_ids)),
                        model.transformer.lm_head.weight, cfg.n_layers)
-    res = generate(model, prompt, DecodeOptions(96, seed=4), steering, tokenizer_vocab_size=tok.vocab_size)
+    res = generate(model, prompt, decode_options(96, seed=4), steering, tokenizer_vocab_size=tok.vocab_size)
     text = tok.decode(res.output_tokens)
     assert isinstance(text, str)
     ta = attr.token_attribution(res.records, *attr.model_lookups(model))

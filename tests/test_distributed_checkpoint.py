@@ -40,10 +40,11 @@ from cde.steerling import steering as st
 from cde.steerling.config import TINY, ConfigError, SteerlingConfig
 from cde.steerling.loading import LM_HEAD, TOK_EMB, load_model, save_model
 from cde.steerling.model import KnownIntervention, SteeringInputs
-from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.reference_decoder import generate
 from cde.steerling.sampling import SamplingParams
 from cde.steerling.tokenizer import CL100K_PAT_STR, load_model_tokenizer
 from tests.numerics import rel_err
+from tests.options import decode_options
 from tests.oracle import assert_same_topk
 from tests.seeding import draw_seed
 
@@ -513,7 +514,7 @@ def test_greedy_generation_with_attribution_matches_the_package_generator(make_d
     prompt = random_tokens(ck.seed, (1, 64), mask_from=64)
     ref = gen.generate_full(prompt, GenerationConfig(max_new_tokens=64, steps=64, use_entropy_sampling=False,
                                                      temperature=0.0))
-    res = generate(ours, prompt[0].tolist(), DecodeOptions(64, SamplingParams(use_entropy_sampling=False,
+    res = generate(ours, prompt[0].tolist(), decode_options(64, sampling=SamplingParams(use_entropy_sampling=False,
                                                                               temperature=0.0)),
                    tokenizer_vocab_size=load_model_tokenizer(cfg, ck.dir).vocab_size)
     assert res.sequence == ref.tokens.tolist(), f"seed {ck.seed}"
@@ -617,7 +618,7 @@ def test_launcher_serves_the_distributed_directory(make_dir, tmp_path):
     tok = load_model_tokenizer(ours.cfg, ck.dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}])
     greedy = SamplingParams(use_entropy_sampling=False, temperature=0.0)
-    want = generate(ours, prompt, DecodeOptions(64, greedy, stop_ids=tuple(sorted(tok.stop_ids))),
+    want = generate(ours, prompt, decode_options(64, sampling=greedy, stop_ids=tuple(sorted(tok.stop_ids))),
                     tokenizer_vocab_size=tok.vocab_size)
     ta = attr.token_attribution(want.records, *attr.model_lookups(ours))
     want_tokens = dict(zip(want.records.positions.tolist(), want.records.tokens.tolist()))

@@ -8,9 +8,11 @@ import torch
 from cde.steerling import kernels
 from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
-from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.reference_decoder import generate
 from cde.steerling.sampling import SamplingParams
+from tests.options import decode_options
 from tests.oracle import assert_close_to_rounding
+from worker_svc.engine.job import Job
 from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
@@ -27,17 +29,17 @@ def test_compiled_engine_matches_reference_and_never_recompiles_after_warmup():
     model = SteerlingModel(cfg).init_random(5, std=0.05).to(torch.float64).eval()
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64, compile=True)
     engine.warmup()
-    compiles = engine.compiles
+    compiles = engine.strategy.compiles
     assert compiles >= 1
     # new mixes of rows, pages and k after warm-up
     reqs = []
     for i, (length, new, k) in enumerate([(3, 70, 1), (64, 80, 2), (140, 40, 3), (65, 130, 1)]):
         prompt = list(range(length))
-        opts = DecodeOptions(new, SamplingParams(), tokens_per_step=k, seed=100 + i)
-        reqs.append((prompt, opts, engine.submit(f"c{i}", prompt, opts)))
+        opts = decode_options(new, sampling=SamplingParams(), tokens_per_step=k, seed=100 + i)
+        reqs.append((prompt, opts, engine.submit(Job(f"c{i}", prompt, opts))))
         engine.step()
     engine.run_until_idle()
-    assert engine.compiles == compiles, "recompiled after warm-up"
+    assert engine.strategy.compiles == compiles, "recompiled after warm-up"
     model.use_kernels(kernels.EAGER)   # the reference runs the plain eager layers
     for prompt, opts, h in reqs:
         ref = generate(model, prompt, opts, tokenizer_vocab_size=VOCAB)

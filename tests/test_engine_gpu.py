@@ -7,7 +7,8 @@ import torch
 
 from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
-from cde.steerling.reference_decoder import DecodeOptions
+from tests.options import decode_options
+from worker_svc.engine.job import Job
 from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +18,7 @@ def test_cuda_graph_engine_runs_and_frees_pages():
     model = SteerlingModel(TINY).init_random(3, std=0.05).to("cuda", torch.bfloat16).eval()
     model.rebuild_rope("cuda")
     engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=64, cuda_graphs=True)
-    handles = [engine.submit(f"g{i}", list(range(10 + 50 * i)), DecodeOptions(80, seed=i)) for i in range(3)]
+    handles = [engine.submit(Job(f"g{i}", list(range(10 + 50 * i)), decode_options(80, seed=i))) for i in range(3)]
     engine.run_until_idle()
     for h in handles:
         fin = [e for e in engine.drain(h) if isinstance(e, FinishEvent)]
@@ -37,9 +38,10 @@ def test_cuda_graphs_overlap_and_compile_equal_the_reference_in_float64(compile_
     model = SteerlingModel(TINY.replace(n_layers=2)).init_random(11, std=0.05).to("cuda", torch.float64).eval()
     model.rebuild_rope("cuda")
     engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=64, cuda_graphs=True, compile=compile_)
-    jobs = [(list(range(1, 4 + 40 * i)), DecodeOptions(90, SamplingParams(), tokens_per_step=1 + i % 2, seed=i))
+    jobs = [(list(range(1, 4 + 40 * i)), decode_options(90, sampling=SamplingParams(), tokens_per_step=1 + i % 2,
+                                                        seed=i))
             for i in range(4)]
-    handles = [engine.submit(f"p{i}", p, o) for i, (p, o) in enumerate(jobs)]
+    handles = [engine.submit(Job(f"p{i}", p, o)) for i, (p, o) in enumerate(jobs)]
     engine.run_until_idle()
     assert engine.overlapped_steps > 0
     if compile_:
@@ -63,17 +65,17 @@ def test_after_warmup_staggered_traffic_captures_nothing_and_equals_the_referenc
     engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=96, cuda_graphs=True, capture_rows=6)
     engine.warmup(max_rows=2, max_new_tokens=8)
     captured = engine.stats().graphs
-    assert captured >= len(engine.capture_plan())
-    jobs = [(list(range(1, 5 + 37 * i)), DecodeOptions(70 + 9 * i, SamplingParams(), tokens_per_step=(1, 2, 4)[i % 3],
-                                                       seed=i)) for i in range(7)]
+    assert captured >= len(engine.strategy.capture_plan())
+    jobs = [(list(range(1, 5 + 37 * i)), decode_options(70 + 9 * i, sampling=SamplingParams(),
+                                                        tokens_per_step=(1, 2, 4)[i % 3], seed=i)) for i in range(7)]
     handles = []
     for i, (p, o) in enumerate(jobs):
-        handles.append(engine.submit(f"s{i}", p, o))
+        handles.append(engine.submit(Job(f"s{i}", p, o)))
         for _ in range(3 + i):
             engine.step()
     engine.run_until_idle()
     assert engine.stats().graphs == captured, "a graph was captured while serving"
-    assert engine.eager_steps > 0   # 7 requests plus their prompt rows go past capture_rows
+    assert engine.strategy.eager_steps > 0   # 7 requests plus their prompt rows go past capture_rows
     for (prompt, opts), h in zip(jobs, handles):
         (fin,) = [e for e in engine.drain(h) if isinstance(e, FinishEvent)]
         assert fin.output_tokens == generate(model, prompt, opts, tokenizer_vocab_size=264).output_tokens
@@ -93,12 +95,13 @@ def test_a_request_arriving_before_the_plan_point_joins_the_next_step_and_output
     model.rebuild_rope("cuda")
     engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=96, cuda_graphs=True, capture_rows=capture_rows,
                              plan_late_head_rows=1)
-    jobs = [(list(range(1, 6 + 31 * i)), DecodeOptions(80 + 7 * i, SamplingParams(), tokens_per_step=1 + i % 2, seed=i))
+    jobs = [(list(range(1, 6 + 31 * i)), decode_options(80 + 7 * i, sampling=SamplingParams(),
+                                                        tokens_per_step=1 + i % 2, seed=i))
             for i in range(4)]
-    handles = {"j0": engine.submit("j0", *jobs[0])}
+    handles = {"j0": engine.submit(Job("j0", *jobs[0]))}
     arrivals = [(f"j{i}", jobs[i]) for i in range(1, 4)]
     joined_next = []
-    execute = engine._execute_device
+    execute = engine.strategy._execute_device
 
     class SubmitsWhileWaiting:
         """The plan point, submitting the next arrival when the step loop starts waiting on it."""
@@ -108,7 +111,7 @@ def test_a_request_arriving_before_the_plan_point_joins_the_next_step_and_output
         def synchronize(self):
             if arrivals and engine.steps % 5 == 2:
                 rid, (prompt, opts) = arrivals.pop(0)
-                handles[rid] = engine.submit(rid, prompt, opts)
+                handles[rid] = engine.submit(Job(rid, prompt, opts))
                 self.pending = rid
                 waited.append(self)
             self.event.synchronize()
@@ -117,7 +120,7 @@ def test_a_request_arriving_before_the_plan_point_joins_the_next_step_and_output
         out, point = execute(*a)
         return out, (SubmitsWhileWaiting(point) if point is not None else None)
 
-    engine._execute_device = with_arrivals
+    engine.strategy._execute_device = with_arrivals
     waited = []
     before = engine.stats().late_plans
     for _ in range(2000):
@@ -126,7 +129,7 @@ def test_a_request_arriving_before_the_plan_point_joins_the_next_step_and_output
         engine.step()
         while waited:   # the step launched at that plan point (now in flight) has the arrival's rows
             rid = waited.pop().pending
-            joined_next.append(any(row.req.request_id == rid for row in engine._inflight.rows))
+            joined_next.append(any(row.req.request_id == rid for row in engine.inflight.rows))
     assert joined_next == [True] * 3, joined_next
     assert engine.stats().late_plans > before
     for rid, (prompt, opts) in zip(sorted(handles), jobs):

@@ -1,5 +1,5 @@
 """The CUDA-graph keys a Steerling step replays are all captured by the warm-up
-(steerling_engine.capture_plan), whatever the traffic: requests arriving at different steps,
+(steerling_graphs.capture_plan), whatever the traffic: requests arriving at different steps,
 users resubmitting as their last request ends (what load through the services looks like),
 several tokens per step, confidence thresholds, prompts of several blocks, preemption. The keys
 are host-side decisions, so the CPU engine shows them; with CUDA graphs each key outside the
@@ -14,22 +14,24 @@ import pytest
 
 from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
-from cde.steerling.reference_decoder import DecodeOptions
 from cde.steerling.sampling import SamplingParams
+from tests.options import decode_options
+from worker_svc.engine.job import Job
 from worker_svc.engine.runtime import ROW_BUCKETS, bucket
-from worker_svc.engine.steerling_engine import (FinishEvent, SteerlingEngine, capture_plan, graph_keys,
-                                                head_buckets_for)
+from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine
+from worker_svc.engine.steerling_graphs import capture_plan, graph_keys, head_buckets_for
 
 
 def _recording(engine: SteerlingEngine) -> list[tuple]:
     keys: list[tuple] = []
-    execute = engine._execute_device
+    strategy = engine.strategy
+    execute = strategy._execute_device
 
     def recording(rb, pb, hb, layout, fwd, smp):
-        keys.extend(graph_keys(rb, pb, layout.tokens_per_step, hb, engine.capture_rows))
+        keys.extend(graph_keys(rb, pb, layout.tokens_per_step, hb, strategy.capture_rows))
         return execute(rb, pb, hb, layout, fwd, smp)
 
-    engine._execute_device = recording
+    strategy._execute_device = recording
     return keys
 
 
@@ -41,7 +43,7 @@ def test_closed_loop_traffic_replays_only_keys_the_warmup_captures(seed):
     engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=24, max_slots=12, capture_rows=8,
                              max_prefill_rows=6)
     keys = _recording(engine)
-    plan = set(engine.capture_plan())
+    plan = set(engine.strategy.capture_plan())
     n = 0
 
     def submit():
@@ -49,9 +51,10 @@ def test_closed_loop_traffic_replays_only_keys_the_warmup_captures(seed):
         n += 1
         tps = rng.choice((1, 1, 2, 4, 16))
         threshold = rng.choice((None, None, 0.5))
-        return engine.submit(f"r{n}", [rng.randrange(256) for _ in range(rng.randrange(1, 200))],
-                             DecodeOptions(rng.randrange(16, 300), SamplingParams(), seed=rng.randrange(1 << 30),
-                                           tokens_per_step=tps, confidence_threshold=threshold))
+        return engine.submit(Job(f"r{n}", [rng.randrange(256) for _ in range(rng.randrange(1, 200))],
+                                 decode_options(rng.randrange(16, 300), sampling=SamplingParams(),
+                                                seed=rng.randrange(1 << 30), tokens_per_step=tps,
+                                                confidence_threshold=threshold)))
 
     live = {}
     for user in range(10):   # users arriving a few steps apart, each resubmitting when its request ends
@@ -70,8 +73,9 @@ def test_closed_loop_traffic_replays_only_keys_the_warmup_captures(seed):
     assert not missing, f"seed={seed}: keys the warm-up does not capture: {sorted(missing)[:10]}"
     # the traffic really was varied: several row buckets, tokens per step, and steps beyond capture_rows
     assert len({k[1] for k in used}) >= 4 and len({k[2] for k in used if k[0] == "heads"}) >= 2, f"seed={seed}"
-    assert any(k[0] == "eager" and k[1] > engine.capture_rows for k in used), f"seed={seed}: no step above capture_rows"
-    assert any(k[0] == "eager" and k[1] <= engine.capture_rows for k in used), f"seed={seed}: no step of many tokens"
+    capture_rows = engine.strategy.capture_rows
+    assert any(k[0] == "eager" and k[1] > capture_rows for k in used), f"seed={seed}: no step above capture_rows"
+    assert any(k[0] == "eager" and k[1] <= capture_rows for k in used), f"seed={seed}: no step of many tokens"
     assert engine.preemptions > 0, f"seed={seed}: the loop never preempted"
 
 

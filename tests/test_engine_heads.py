@@ -19,11 +19,13 @@ import torch
 
 from cde.blocks import BLOCK
 from cde.steerling.config import TINY
-from cde.steerling.reference_decoder import DecodeOptions
 from cde.steerling.sampling import SamplingParams
+from tests.options import decode_options
 from tests.steerling_engine_cases import VOCAB, check_against_reference, make_model, steer
+from worker_svc.engine.job import Job
 from worker_svc.engine.runtime import ROW_BUCKETS, bucket
-from worker_svc.engine.steerling_engine import HEAD_BUCKETS, SteerlingEngine, head_bucket
+from worker_svc.engine.steerling_engine import SteerlingEngine
+from worker_svc.engine.steerling_graphs import HEAD_BUCKETS, head_bucket
 from worker_svc.engine.steerling_runner import compact_heads
 
 pytestmark = pytest.mark.parity
@@ -37,9 +39,10 @@ def submit_all(engine, model, rng, specs, submitted, prefix):
     for i, (length, new, mode, k, threshold, sp) in enumerate(specs):
         prompt = [rng.randrange(256) for _ in range(length)]
         st = steer(model, [rng.randrange(model.cfg.n_known) for _ in range(2)], mode) if mode else None
-        opts = DecodeOptions(new, sp, tokens_per_step=k, confidence_threshold=threshold, seed=rng.randrange(1 << 40))
+        opts = decode_options(new, sampling=sp, tokens_per_step=k, confidence_threshold=threshold,
+                              seed=rng.randrange(1 << 40))
         rid = f"{prefix}{i}"
-        submitted[rid] = (prompt, opts, st, engine.submit(rid, prompt, opts, st))
+        submitted[rid] = (prompt, opts, st, engine.submit(Job(rid, prompt, opts, steering=st)))
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -67,7 +70,8 @@ def test_compacted_heads_equal_the_reference_with_steering_thresholds_and_shared
     engine.run_until_idle()
     assert engine.stats().pages_used == 0
     assert (engine.overlapped_steps > 0) == overlap, f"seed={seed}"
-    assert engine.head_rows < 0.75 * engine.position_rows, f"seed={seed}: {engine.head_rows} of {engine.position_rows}"
+    s = engine.strategy
+    assert s.head_rows < 0.75 * s.position_rows, f"seed={seed}: {s.head_rows} of {s.position_rows}"
     check_against_reference(model, engine, submitted)
 
 
@@ -102,26 +106,29 @@ def test_heads_run_on_the_bucket_of_the_candidates_only(seed):
     while engine.has_work() or jobs:
         if jobs and engine.steps in (0, 1, 2):
             length, new, k = jobs.pop(0)
-            engine.submit(f"h{len(jobs)}", [rng.randrange(256) for _ in range(length)],
-                          DecodeOptions(new, SamplingParams(), tokens_per_step=k, seed=rng.randrange(1 << 40)))
+            engine.submit(Job(f"h{len(jobs)}", [rng.randrange(256) for _ in range(length)],
+                              decode_options(new, sampling=SamplingParams(), tokens_per_step=k,
+                                             seed=rng.randrange(1 << 40))))
         engine.table.finish_cancelled()
         engine.table.admit()
-        rows = engine._plan()   # the rows step() is about to run (nothing changes in between)
+        plan = engine.strategy.plan(engine.table)   # the rows step() is about to run (nothing changes in between)
+        rows = plan.rows if plan is not None else []
         expected = sum(req.seq[slice(*req.block_range(b))].count(model.cfg.mask_id)
                        for req, b, d, _ in rows if d)
-        before = engine.runner.heads_rows
+        before = engine.strategy.runner.heads_rows
         engine.step()
-        n, hb = engine.last_heads
+        n, hb = engine.strategy.last_heads
         assert n == expected, f"seed={seed}: bound {n}, {expected} masked positions"
         assert hb == head_bucket(n, bucket(len(rows), ROW_BUCKETS)) and n <= hb and hb != 1, f"seed={seed}"
-        assert engine.runner.heads_rows - before == hb, f"seed={seed}: heads got other rows than HB"
+        assert engine.strategy.runner.heads_rows - before == hb, f"seed={seed}: heads got other rows than HB"
         n_decode = sum(row.is_decode for row in rows)
         prefill_only += n_decode == 0
         fewer += 0 < hb < BLOCK * n_decode
         seen_hb.add(hb)
     assert prefill_only > 0 and fewer > 0, f"seed={seed}: {prefill_only} prefill-only, {fewer} smaller steps"
     assert {0, 16, 32, 64} <= seen_hb, f"seed={seed}: {sorted(seen_hb)}"
-    assert engine.runner.heads_rows == engine.head_rows < 0.75 * engine.position_rows, f"seed={seed}"
+    s = engine.strategy
+    assert s.runner.heads_rows == s.head_rows < 0.75 * s.position_rows, f"seed={seed}"
 
 
 def test_a_bound_below_the_real_masks_is_caught_on_the_host(seed):
@@ -129,17 +136,18 @@ def test_a_bound_below_the_real_masks_is_caught_on_the_host(seed):
     results are applied (the device caps the row, so the row would silently lose a candidate)."""
     model = make_model(seed, TINY.replace(eot_id=None))   # no early end: the request is still decoding
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=16, overlap=False)
-    engine.submit("x", list(range(10)), DecodeOptions(60, seed=seed))
+    engine.submit(Job("x", list(range(10)), decode_options(60, seed=seed)))
     engine.step()
     engine.step()
-    rows = engine._plan()
-    launched = engine._launch(rows)
+    plan = engine.strategy.plan(engine.table)
+    rows = plan.rows
+    launched = engine.strategy.execute(plan)
     (i,) = [i for i, row in enumerate(rows) if row.is_decode]
     req, b = rows[i].req, rows[i].block
-    assert launched.host_plan[i] == req.seq[slice(*req.block_range(b))].count(model.cfg.mask_id) > 1
-    launched.host_plan[i] -= 1
+    assert launched.row_bounds[i] == req.seq[slice(*req.block_range(b))].count(model.cfg.mask_id) > 1
+    launched.row_bounds[i] -= 1
     with pytest.raises(RuntimeError, match="bound"):
-        engine._apply_step(launched)
+        engine.strategy.update(engine.table, launched)
 
 
 def test_compact_heads_puts_every_candidate_first_in_order(seed):

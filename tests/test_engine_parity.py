@@ -20,9 +20,12 @@ import pytest
 import torch
 
 from cde.steerling.config import TINY
-from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.reference_decoder import generate
 from cde.steerling.sampling import SamplingParams
+from tests.options import decode_options
 from tests.steerling_engine_cases import VOCAB, check_against_reference, make_model, steer
+from worker_svc.engine import steerling_engine, steerling_plan
+from worker_svc.engine.job import Job
 from worker_svc.engine.steerling_engine import BlockEvent, FinishEvent, SteerlingEngine, StepEvent
 from worker_svc.engine.runtime import PinnedPairs
 from tests.seeding import draw_seed
@@ -50,8 +53,8 @@ def test_mixed_batch_with_steering_joins_and_k_per_step(overlap, seed):
         length, new, mode, k, sp = spec
         prompt = [rng.randrange(256) for _ in range(length)]
         st = steer(model, [rng.randrange(TINY.n_known) for _ in range(2)], mode) if mode else None
-        opts = DecodeOptions(new, sp, tokens_per_step=k, seed=rng.randrange(1 << 40))
-        submitted[f"r{i}"] = (prompt, opts, st, engine.submit(f"r{i}", prompt, opts, st))
+        opts = decode_options(new, sampling=sp, tokens_per_step=k, seed=rng.randrange(1 << 40))
+        submitted[f"r{i}"] = (prompt, opts, st, engine.submit(Job(f"r{i}", prompt, opts, steering=st)))
 
     for i, spec in enumerate(specs[:3]):
         submit(i, spec)
@@ -83,14 +86,14 @@ def test_steps_launch_ahead_through_block_closes_and_arrivals(seed):
         if i < len(arrivals) and (engine.steps >= arrivals[i] or not engine.has_work()):
             idle_arrivals += not engine.has_work()   # an idle engine's next step is the host's
             prompt = [rng.randrange(256) for _ in range(rng.choice((3, 64, 70, 130)))]
-            opts = DecodeOptions(rng.choice((60, 100, 130)), SamplingParams(), tokens_per_step=rng.choice((1, 4)),
-                                 seed=rng.randrange(1 << 40))
+            opts = decode_options(rng.choice((60, 100, 130)), sampling=SamplingParams(),
+                                  tokens_per_step=rng.choice((1, 4)), seed=rng.randrange(1 << 40))
             st = (None, steer(model, [1, 5, 9]), steer(model, [2, 4], "suppress"))[i % 3]
-            submitted[f"a{i}"] = (prompt, opts, st, engine.submit(f"a{i}", prompt, opts, st))
+            submitted[f"a{i}"] = (prompt, opts, st, engine.submit(Job(f"a{i}", prompt, opts, steering=st)))
             i += 1
         engine.step()
         # between steps of a busy engine the next one is already in flight
-        assert engine._inflight is not None or not engine.has_work(), f"seed={seed}: step {engine.steps}"
+        assert engine.inflight is not None or not engine.has_work(), f"seed={seed}: step {engine.steps}"
     host_built = engine.steps - engine.overlapped_steps
     assert host_built == idle_arrivals, f"seed={seed}: {host_built} of {engine.steps} steps built from the host"
     assert engine.stats().pages_used == 0
@@ -112,12 +115,12 @@ def test_overlapped_steps_survive_an_eot_that_ends_a_request_early():
         submitted = {}
         for i, length in enumerate((3, 40, 64, 100)):
             prompt = [rng.randrange(256) for _ in range(length)]
-            opts = DecodeOptions(120, SamplingParams(), seed=rng.randrange(1 << 40))
-            submitted[f"e{i}"] = (prompt, opts, None, engine.submit(f"e{i}", prompt, opts))
+            opts = decode_options(120, sampling=SamplingParams(), seed=rng.randrange(1 << 40))
+            submitted[f"e{i}"] = (prompt, opts, None, engine.submit(Job(f"e{i}", prompt, opts)))
         engine.run_until_idle()
         assert engine.overlapped_steps > 0 and engine.stats().pages_used == 0
         check_against_reference(model, engine, submitted)
-        dropped = engine.dropped_rows
+        dropped = engine.strategy.dropped_rows
         if dropped:
             break
     assert dropped > 0, "no speculative row was dropped in 4 runs: the early end was not exercised"
@@ -144,8 +147,8 @@ def test_preemption_with_a_tiny_page_pool_gives_the_same_output(seed):
     submitted = {}
     for i, (length, new) in enumerate([(70, 150), (10, 180), (64, 120), (100, 100)]):
         prompt = [rng.randrange(256) for _ in range(length)]
-        opts = DecodeOptions(new, SamplingParams(), tokens_per_step=4, seed=i + seed)
-        submitted[f"p{i}"] = (prompt, opts, None, engine.submit(f"p{i}", prompt, opts))
+        opts = decode_options(new, sampling=SamplingParams(), tokens_per_step=4, seed=i + seed)
+        submitted[f"p{i}"] = (prompt, opts, None, engine.submit(Job(f"p{i}", prompt, opts)))
     engine.run_until_idle()
     assert engine.preemptions > 0
     # readmitted after a preemption, a request is not counted (nor its queue wait) again
@@ -161,8 +164,8 @@ def test_gqa_and_mqa_configs_match_too(seed):
     submitted = {}
     for i, length in enumerate((5, 64, 77)):
         prompt = list(range(length))
-        opts = DecodeOptions(64, SamplingParams(), seed=seed + i)
-        submitted[str(i)] = (prompt, opts, None, engine.submit(str(i), prompt, opts))
+        opts = decode_options(64, sampling=SamplingParams(), seed=seed + i)
+        submitted[str(i)] = (prompt, opts, None, engine.submit(Job(str(i), prompt, opts)))
     engine.run_until_idle()
     check_against_reference(model, engine, submitted)
 
@@ -170,8 +173,8 @@ def test_gqa_and_mqa_configs_match_too(seed):
 def test_cancel_frees_pages_within_one_step():
     model = make_model(1)
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
-    a = engine.submit("a", list(range(200)), DecodeOptions(300))
-    b = engine.submit("b", list(range(30)), DecodeOptions(300))
+    a = engine.submit(Job("a", list(range(200)), decode_options(300)))
+    b = engine.submit(Job("b", list(range(30)), decode_options(300)))
     for _ in range(3):
         engine.step()
     used = engine.stats().pages_used
@@ -189,15 +192,15 @@ def test_cancel_frees_pages_within_one_step():
 def test_requests_that_can_never_fit_fail_clearly():
     model = make_model(2)
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=3)
-    h = engine.submit("big", list(range(200)), DecodeOptions(10))
+    h = engine.submit(Job("big", list(range(200)), decode_options(10)))
     engine.run_until_idle()
     (fin,) = [e for e in engine.drain(h) if isinstance(e, FinishEvent)]
     assert fin.reason == "error" and "KV pages" in fin.error
     with pytest.raises(ValueError, match="duplicate"):
-        engine.submit("x", [1], DecodeOptions(4))
-        engine.submit("x", [1], DecodeOptions(4))
+        engine.submit(Job("x", [1], decode_options(4)))
+        engine.submit(Job("x", [1], decode_options(4)))
     with pytest.raises(ValueError, match="context"):
-        engine.submit("y", [1] * 1000, DecodeOptions(100))
+        engine.submit(Job("y", [1] * 1000, decode_options(100)))
 
 
 def test_fp32_paged_forward_equals_dense_reference_forward(seed):
@@ -209,11 +212,12 @@ def test_fp32_paged_forward_equals_dense_reference_forward(seed):
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64, overlap=False)   # inspects one planned step
     rng = random.Random(seed)
     for i, length in enumerate((1, 63, 64, 65, 130)):
-        engine.submit(f"f{i}", [rng.randrange(256) for _ in range(length)], DecodeOptions(100, seed=i))
+        engine.submit(Job(f"f{i}", [rng.randrange(256) for _ in range(length)], decode_options(100, seed=i)))
     for _ in range(rng.randrange(5, 30)):
         engine.step()
     captured = {}
-    real_trunk, real_score = engine.runner.trunk, engine.runner.score
+    runner = engine.strategy.runner
+    real_trunk, real_score = runner.trunk, runner.score
 
     def spy_trunk(inp):
         tokens, hidden = real_trunk(inp)
@@ -225,8 +229,8 @@ def test_fp32_paged_forward_equals_dense_reference_forward(seed):
         captured["logits"], captured["rows"] = out.logits, head_rows
         return out
 
-    engine.runner.trunk, engine.runner.score = spy_trunk, spy_score
-    rows = engine._plan()
+    runner.trunk, runner.score = spy_trunk, spy_score
+    rows = engine.strategy.plan(engine.table).rows
     engine.step()
     # the engine scores only its candidate (masked) positions: compare those, through its map
     head_rows = captured["rows"]
@@ -255,20 +259,20 @@ def test_resume_from_committed_blocks_gives_the_same_output(seed):
     (what the scheduler does when a worker dies) ends exactly as if it had never stopped."""
     model = make_model(seed, TINY.replace(eot_id=None))
     prompt = list(range(70))
-    opts = DecodeOptions(200, SamplingParams(), tokens_per_step=2, seed=seed)
+    opts = decode_options(200, sampling=SamplingParams(), tokens_per_step=2, seed=seed)
     ref = generate(model, prompt, opts, tokenizer_vocab_size=VOCAB)
     first = ref.blocks[0]
     committed = ref.sequence[70:first.end]
     steps_done = sum(1 for s in ref.steps if s.block == first.block)
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=16)
-    h = engine.submit("resumed", prompt, opts, committed=committed, next_step=steps_done)
+    h = engine.submit(Job("resumed", prompt, opts, committed=committed, next_step=steps_done))
     engine.run_until_idle()
     events = list(engine.drain(h))
     fin = [e for e in events if isinstance(e, FinishEvent)][0]
     assert fin.output_tokens == ref.output_tokens
     assert [b.tokens for b in events if isinstance(b, BlockEvent)] == [b.tokens for b in ref.blocks[1:]]
     with pytest.raises(ValueError, match="block boundary"):
-        engine.submit("bad", prompt, opts, committed=committed[:-1])
+        engine.submit(Job("bad", prompt, opts, committed=committed[:-1]))
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -284,9 +288,9 @@ def test_confidence_thresholds_with_steering_equal_the_reference(overlap, seed):
         prompt = [rng.randrange(256) for _ in range(length)]
         st = steer(model, [rng.randrange(TINY.n_known) for _ in range(2)], mode) if mode else None
         # tiny random models spread ~0.004-0.03 of probability over their best token: 0.01 splits them
-        opts = DecodeOptions(new, SamplingParams(), tokens_per_step=k, confidence_threshold=0.01,
+        opts = decode_options(new, sampling=SamplingParams(), tokens_per_step=k, confidence_threshold=0.01,
                              seed=rng.randrange(1 << 40))
-        submitted[f"t{i}"] = (prompt, opts, st, engine.submit(f"t{i}", prompt, opts, st))
+        submitted[f"t{i}"] = (prompt, opts, st, engine.submit(Job(f"t{i}", prompt, opts, steering=st)))
     engine.run_until_idle()
     commits = {len(e.positions) for _, _, _, h in submitted.values() for e in h.events if isinstance(e, StepEvent)}
     assert len(commits) >= 3, f"seed {seed}: the threshold never split a step's commits ({sorted(commits)})"
@@ -294,36 +298,39 @@ def test_confidence_thresholds_with_steering_equal_the_reference(overlap, seed):
     check_against_reference(model, engine, submitted)
 
 
-def test_a_closed_blocks_next_decode_row_joins_its_commit_step_only_while_steps_are_small(seed):
+def test_a_closed_blocks_next_decode_row_joins_its_commit_step_only_while_steps_are_small(seed, monkeypatch):
     """A lone request's block boundaries cost no forward (its commit row and next decode row share
     a step: one forward per token at one token per step); five requests in lockstep close their
     blocks together, and their decode rows wait a step rather than grow the batch into the next
     row bucket. Both equal the reference."""
     model = make_model(seed, TINY.replace(eot_id=None))
     rng = random.Random(seed)
+    real_plan = steerling_plan.plan_rows   # planned from the host's state or ahead of a step in flight
     for n_requests, folded in ((1, True), (5, False)):
         engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64)
         widths = []
-        real_plan = engine._plan_rows   # planned from the host's state or ahead of a step in flight
 
-        def plan(states):
-            rows = real_plan(states)
+        def plan(states, max_prefill_rows):
+            rows = real_plan(states, max_prefill_rows)
             widths.append(len(rows))
             return rows
 
-        engine._plan_rows = plan
+        # a module function both planners (steerling_engine's plan, steerling_plan's plan_ahead) look up
+        monkeypatch.setattr(steerling_engine, "plan_rows", plan)
+        monkeypatch.setattr(steerling_plan, "plan_rows", plan)
         submitted = {}
         for i in range(n_requests):
             prompt = [rng.randrange(256) for _ in range(64)]     # whole blocks: decoding starts at a boundary
-            opts = DecodeOptions(128, SamplingParams(), seed=seed + i)
-            submitted[f"f{i}"] = (prompt, opts, None, engine.submit(f"f{i}", prompt, opts))
+            opts = decode_options(128, sampling=SamplingParams(), seed=seed + i)
+            submitted[f"f{i}"] = (prompt, opts, None, engine.submit(Job(f"f{i}", prompt, opts)))
         engine.run_until_idle()
         check_against_reference(model, engine, submitted)
         if folded:
-            assert engine.forwards == 128 and max(widths) == 2, (seed, engine.forwards, widths)
+            assert engine.strategy.forwards == 128 and max(widths) == 2, (seed, engine.strategy.forwards, widths)
         else:   # 2 blocks: 1 boundary, a step of commit rows only
             # (the first step: the prompts' commit rows with their decode rows, as prefill always does)
-            assert engine.forwards == 128 + 1 and max(widths[1:]) == n_requests, (seed, engine.forwards, widths)
+            assert engine.strategy.forwards == 128 + 1 and max(widths[1:]) == n_requests, \
+                (seed, engine.strategy.forwards, widths)
 
 
 def test_queue_wait_is_counted_once_per_request_from_submit_to_admission():
@@ -333,8 +340,8 @@ def test_queue_wait_is_counted_once_per_request_from_submit_to_admission():
     import time
 
     engine = SteerlingEngine(make_model(5), tokenizer_vocab_size=VOCAB, n_pages=32, max_slots=1)
-    first = engine.submit("first", list(range(1, 20)), DecodeOptions(64, seed=1))
-    second = engine.submit("second", list(range(1, 30)), DecodeOptions(64, seed=2))
+    first = engine.submit(Job("first", list(range(1, 20)), decode_options(64, seed=1)))
+    second = engine.submit(Job("second", list(range(1, 30)), decode_options(64, seed=2)))
     t0 = time.perf_counter()
     engine.step()
     assert engine.stats().admitted == 1   # one slot: the second waits
@@ -354,10 +361,11 @@ def test_a_request_without_records_gets_blocks_without_them_beside_one_with(seed
     model = make_model(seed)
     engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=32)
     rng = random.Random(seed)
-    jobs = {rid: ([rng.randrange(256) for _ in range(20 + 30 * i)], DecodeOptions(150, SamplingParams(), seed=seed + i))
+    jobs = {rid: ([rng.randrange(256) for _ in range(20 + 30 * i)],
+                  decode_options(150, sampling=SamplingParams(), seed=seed + i))
             for i, rid in enumerate(("with", "without"))}
-    handles = {rid: engine.submit(rid, p, o, records=rid == "with") for rid, (p, o) in jobs.items()}
-    solo = engine.submit("solo-without", jobs["without"][0], jobs["without"][1], records=False)
+    handles = {rid: engine.submit(Job(rid, p, o, records=rid == "with")) for rid, (p, o) in jobs.items()}
+    solo = engine.submit(Job("solo-without", jobs["without"][0], jobs["without"][1], records=False))
     engine.run_until_idle()
     for rid, h in [*handles.items(), ("solo-without", solo)]:
         events = list(engine.drain(h))

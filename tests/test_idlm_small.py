@@ -19,7 +19,9 @@ import torch
 
 from cde.isd.decoder import generate_ar_batch, generate_isd_batch
 from cde.qwen3.loading import load_lora, load_qwen3
-from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
+from tests.options import isd_options
+from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent
+from worker_svc.engine.job import Job
 
 
 # CDE_IDLM_SMALL_DIR: check a freshly trained bundle before it is committed
@@ -57,7 +59,7 @@ def test_greedy_isd_equals_greedy_ar_and_tpf_floor(prompts):
     engine = IsdEngine(model, max_slots=PROMPTS, max_stride=4)
     outs, stats = {}, {}
     for stride in (1, 4):
-        reqs = [engine.submit(f"{stride}-{i}", p, IsdOptions(max_new_tokens=NEW_TOKENS, stride=stride))
+        reqs = [engine.submit(Job(f"{stride}-{i}", p, isd_options(max_new_tokens=NEW_TOKENS, stride=stride)))
                 for i, p in enumerate(prompts)]
         engine.run_until_idle()
         fins = [[e for e in engine.drain(r) if isinstance(e, IsdFinishEvent)][0] for r in reqs]

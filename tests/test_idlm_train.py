@@ -198,14 +198,16 @@ def test_tiny_pipeline_end_to_end(tmp_path):
         "config.json", "model.safetensors", "tokenizer.json", "training.json", "conversion/adapter_config.json",
         "conversion/adapter_model.safetensors", "risd/adapter_config.json", "risd/adapter_model.safetensors"}
 
-    from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
+    from tests.options import isd_options
+    from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent
+    from worker_svc.engine.job import Job
     training = json.loads((out / "training.json").read_text())
     model = load_qwen3(out, dtype=torch.float64)
     engine = IsdEngine(model, max_slots=4, max_stride=4)
     prompts = training["prompts"][:2]
     got = {}
     for stride in (1, 4):
-        reqs = [engine.submit(f"{stride}-{i}", p, IsdOptions(max_new_tokens=12, stride=stride))
+        reqs = [engine.submit(Job(f"{stride}-{i}", p, isd_options(max_new_tokens=12, stride=stride)))
                 for i, p in enumerate(prompts)]
         engine.run_until_idle()
         got[stride] = [[e for e in engine.drain(r) if isinstance(e, IsdFinishEvent)][0].output_tokens for r in reqs]

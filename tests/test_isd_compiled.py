@@ -15,9 +15,11 @@ from cde.isd.toy import lag_model
 from cde.qwen3 import kernels
 from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
+from tests.options import isd_options
 from tests.oracle import assert_close_to_rounding
 from tests.tiny_models import random_lora
-from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
+from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent
+from worker_svc.engine.job import Job
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
 
@@ -45,19 +47,19 @@ def test_compiled_isd_engine_matches_the_reference_and_never_recompiles_after_wa
     model = lag_model(seed).double().eval()
     engine = IsdEngine(model, n_pages=64, compile=True)
     engine.warmup(max_rows=4, max_new_tokens=8)
-    compiles = engine.compiles
+    compiles = engine.strategy.compiles
     assert compiles >= 1
     rng = random.Random(seed)
     vocab = [i for i in range(model.cfg.vocab_size) if i != model.cfg.mask_token_id
              and i not in model.cfg.eos_token_ids]
-    jobs = [(f"j{i}", [rng.choice(vocab) for _ in range(n)], IsdOptions(16, stride=s, temperature=t, seed=i))
+    jobs = [(f"j{i}", [rng.choice(vocab) for _ in range(n)], isd_options(16, stride=s, temperature=t, seed=i))
             for i, (n, s, t) in enumerate([(3, 4, 0.0), (70, 2, 0.8), (1, 1, 0.0), (65, 4, 1.0)])]
     handles = []
     for rid, prompt, opts in jobs:   # joining mid-flight
-        handles.append(engine.submit(rid, prompt, opts))
+        handles.append(engine.submit(Job(rid, prompt, opts)))
         engine.step()
     engine.run_until_idle()
-    assert engine.compiles == compiles, "recompiled after warm-up"
+    assert engine.strategy.compiles == compiles, "recompiled after warm-up"
     model.use_kernels(kernels.EAGER)   # the reference runs the plain eager layers
     for (rid, prompt, opts), h in zip(jobs, handles):
         (fin,) = [e for e in engine.drain(h) if isinstance(e, IsdFinishEvent)]

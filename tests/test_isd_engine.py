@@ -37,11 +37,13 @@ from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
 from tests.isd_engine_harness import (LENGTHS, NEW, SAMPLED, check_all, greedy_step_inputs, models, prompts_for,
                                       reference, run_in_waves)
+from tests.options import isd_options
 from tests.tiny_models import PROBE, random_lora, stopping_lag_model, tiny_model
 from tests.triton_child import HAS_TRITON, run_child
 from worker_svc.engine.async_engine import AsyncEngine
-from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine, IsdFinishEvent, IsdOptions
+from worker_svc.engine.isd_engine import IsdCommitEvent, IsdEngine, IsdFinishEvent
 from worker_svc.engine.isd_runner import IsdInputs, IsdRunner, advance, draw_rows
+from worker_svc.engine.job import Job
 from worker_svc.engine.kv_cache import KVCache
 
 
@@ -58,12 +60,12 @@ def one_intraop_thread():
 def record_flags(engine: IsdEngine) -> list[tuple[bool, bool, IsdInputs]]:
     """Wrap the engine's device step: each step's (filtered, sampling, inputs) in a list."""
     seen: list[tuple[bool, bool, IsdInputs]] = []
-    step = engine._device_step
+    step = engine.strategy.device_step
 
     def recording(inp, window, filtered, sampling, overlapped=False):
         seen.append((filtered, sampling, inp))
         return step(inp, window, filtered, sampling, overlapped)
-    engine._device_step = recording
+    engine.strategy.device_step = recording
     return seen
 
 
@@ -81,7 +83,7 @@ def test_greedy_all_strides_equal_greedy_ar(kind, overlap, seed):
     model = models(seed)[kind]
     rng = random.Random(seed)
     prompts = prompts_for(model, rng) + [PROBE]
-    jobs = [(f"N{n}-L{len(p)}", p, IsdOptions(NEW, stride=n)) for n in (1, 2, 3, 4, 8) for p in prompts]
+    jobs = [(f"N{n}-L{len(p)}", p, isd_options(NEW, stride=n)) for n in (1, 2, 3, 4, 8) for p in prompts]
     rng.shuffle(jobs)
     engine = IsdEngine(model, n_pages=128, overlap=overlap)
     flags = record_flags(engine)
@@ -108,39 +110,40 @@ def test_greedy_all_strides_equal_greedy_ar(kind, overlap, seed):
 def test_overlapped_windows_equal_the_host_built_ones(seed):
     """An overlapped step is launched before the last step's results reach the host; its rows'
     windows are derived on the device (isd_runner.advance). Once the last step is applied, the
-    host builds (IsdEngine._host_inputs) the windows of the resolved rows: every field must be
+    host builds (IsdStrategy.host_inputs) the windows of the resolved rows: every field must be
     equal, after cold steps, full accepts, rejections at every index and AR steps; query columns
     and drafts the host does not have (a narrower bucket) must be padding."""
     model = stopping_lag_model(seed)
     rng = random.Random(seed)
     prompts = prompts_for(model, rng, (3, 64, 65)) + [PROBE]
-    jobs = [(f"N{n}-{i}-{t}", p, IsdOptions(40, stride=n, temperature=t, top_k=3 if t else 0, seed=rng.randrange(99),
+    jobs = [(f"N{n}-{i}-{t}", p, isd_options(40, stride=n, temperature=t, top_k=3 if t else 0, seed=rng.randrange(99),
                                                lora_gated=bool(i % 2)))
             for n in (1, 2, 4, 8) for i, p in enumerate(prompts) for t in (0.0, 0.9)]
     engine = IsdEngine(model, n_pages=128)
-    device_step, derived = engine._device_step, []
+    device_step, derived = engine.strategy.device_step, []
+    runner = engine.strategy.runner
 
     def recording(inp, window, filtered, sampling, overlapped=False):
         if overlapped:   # CPU steps run at once: the carry is the last step's now
-            derived.append(advance(inp, engine.runner.carry.clone(), engine.runner.mask_id))
+            derived.append(advance(inp, runner.carry.clone(), runner.mask_id))
         return device_step(inp, window, filtered, sampling, overlapped)
 
-    engine._device_step = recording
+    engine.strategy.device_step = recording
     for rid, prompt, opts in jobs:
-        engine.submit(rid, prompt, opts)
+        engine.submit(Job(rid, prompt, opts))
     seen = {"cold": 0, "verify": 0, "ar": 0, "dropped": 0}
     while engine.has_work():
         engine.step()
         if not derived:
             continue
         dev = derived.pop()
-        assert not derived and engine._inflight is not None
-        rows = engine._inflight.rows          # resolved now that the step before is applied
+        assert not derived and engine.inflight is not None
+        rows = engine.inflight.rows          # resolved now that the step before is applied
         live = [(i, row) for i, row in enumerate(rows) if row is not None]
         seen["dropped"] += len(rows) - len(live)
         if not live:
             continue
-        host, k = engine._host_inputs([row for _, row in live])
+        host, k = engine.strategy.host_inputs([row for _, row in live])
         q_h = host.tokens.shape[1]
         for h, (i, row) in enumerate(live):
             seen["ar" if row.req.stride == 1 else row.kind] += 1
@@ -222,7 +225,7 @@ def test_seeded_sampling_equals_reference_batched_and_joining(kind, seed):
     jobs = []
     for c, (n, t, k, p, prop) in enumerate(SAMPLED):
         for prompt in prompts_for(model, rng, rng.sample(LENGTHS, 2)) + [PROBE]:
-            opts = IsdOptions(NEW, stride=n, temperature=t, top_k=k, top_p=p, proposal=prop,
+            opts = isd_options(NEW, stride=n, temperature=t, top_k=k, top_p=p, proposal=prop,
                               seed=rng.randrange(1 << 40))
             jobs.append((f"c{c}-L{len(prompt)}-{len(jobs)}", prompt, opts))
     rng.shuffle(jobs)
@@ -244,7 +247,7 @@ def test_unfiltered_steps_skip_the_vocabulary_filters_and_still_equal_the_refere
     jobs = []
     for c, (n, t) in enumerate([(1, 0.9), (3, 0.7), (4, 1.0), (4, 0.0)]):
         for prompt in prompts_for(model, rng, rng.sample(LENGTHS, 2)):
-            jobs.append((f"u{c}-{len(jobs)}", prompt, IsdOptions(NEW, stride=n, temperature=t,
+            jobs.append((f"u{c}-{len(jobs)}", prompt, isd_options(NEW, stride=n, temperature=t,
                                                                  seed=rng.randrange(1 << 40))))
     engine = IsdEngine(model, n_pages=128)
     flags = record_flags(engine)
@@ -269,10 +272,11 @@ def test_risd_gated_equals_base_ar_and_the_reference(seed):
     for n in (2, 4):
         for gated in (True, False):
             for prompt in prompts:
-                jobs.append((f"N{n}-g{int(gated)}-L{len(prompt)}", prompt, IsdOptions(NEW, stride=n, lora_gated=gated)))
+                jobs.append((f"N{n}-g{int(gated)}-L{len(prompt)}", prompt,
+                             isd_options(NEW, stride=n, lora_gated=gated)))
     for prompt in prompts:  # sampled R-ISD and an AR row with the adapter everywhere
-        jobs.append((f"S-L{len(prompt)}", prompt, IsdOptions(NEW, stride=3, temperature=0.8, seed=rng.randrange(99))))
-        jobs.append((f"AR-L{len(prompt)}", prompt, IsdOptions(NEW, stride=1, lora_gated=False)))
+        jobs.append((f"S-L{len(prompt)}", prompt, isd_options(NEW, stride=3, temperature=0.8, seed=rng.randrange(99))))
+        jobs.append((f"AR-L{len(prompt)}", prompt, isd_options(NEW, stride=1, lora_gated=False)))
     events = run_in_waves(IsdEngine(model, n_pages=64), jobs)
     check_all(model, events, jobs, f"seed={seed}")
     by_len = {len(p): b for p, b in zip(prompts, base)}
@@ -298,8 +302,8 @@ def test_cancel_frees_pages_at_the_next_step():
     engine.warmup(max_rows=2, max_new_tokens=4)
     s = engine.stats()
     assert s.steps > 0 and s.pages_used == 0 and not engine.requests and not engine.has_work()
-    a = engine.submit("a", list(range(150)), IsdOptions(200, stride=3))
-    b = engine.submit("b", list(range(30)), IsdOptions(200, stride=2))
+    a = engine.submit(Job("a", list(range(150)), isd_options(200, stride=3)))
+    b = engine.submit(Job("b", list(range(30)), isd_options(200, stride=2)))
     for _ in range(3):
         engine.step()
     used = engine.stats().pages_used
@@ -310,7 +314,7 @@ def test_cancel_frees_pages_at_the_next_step():
     fin = [e for e in engine.drain(a) if isinstance(e, IsdFinishEvent)]
     assert [f.reason for f in fin] == ["cancelled"] and "a" not in engine.requests
     assert not engine.cancel("a")
-    w = engine.submit("w", [1, 2], IsdOptions(8))
+    w = engine.submit(Job("w", [1, 2], isd_options(8)))
     assert engine.cancel("w")   # cancelled while waiting: never admitted
     engine.cancel("b")
     engine.run_until_idle()
@@ -328,7 +332,7 @@ def test_tiny_page_pool_preempts_and_outputs_are_unchanged(seed):
     jobs = []
     for i, (length, n, t) in enumerate([(70, 3, 0.8), (10, 4, 0.7), (64, 1, 0.9), (100, 3, 0.0), (40, 2, 1.0)]):
         prompt = prompts_for(model, rng, (length,))[0]
-        jobs.append((f"p{i}", prompt, IsdOptions(40, stride=n, temperature=t, seed=rng.randrange(1 << 30))))
+        jobs.append((f"p{i}", prompt, isd_options(40, stride=n, temperature=t, seed=rng.randrange(1 << 30))))
     events = run_in_waves(engine, jobs, waves=2, steps_between=2)
     assert engine.preemptions > 0, f"seed={seed}: the pool never ran out"
     fins = check_all(model, events, jobs, f"seed={seed}")
@@ -338,16 +342,16 @@ def test_tiny_page_pool_preempts_and_outputs_are_unchanged(seed):
     # force it. Its stored q leaves with its slot and must come back on readmission.
     engine = IsdEngine(model, n_pages=16)
     jobs = [(f"q{i}", prompts_for(model, rng, (length,))[0],
-             IsdOptions(30, stride=n, temperature=0.8, seed=rng.randrange(1 << 30)))
+             isd_options(30, stride=n, temperature=0.8, seed=rng.randrange(1 << 30)))
             for i, (length, n) in enumerate([(20, 3), (66, 4), (5, 1)])]
-    handles = {rid: engine.submit(rid, p, o) for rid, p, o in jobs}
+    handles = {rid: engine.submit(Job(rid, p, o)) for rid, p, o in jobs}
     forced = 0
     while engine.has_work():
         engine.step()
         victims = [h for h in handles.values() if h in engine.running and h.specs is not None and not h.preemptions]
         for victim in sorted(victims, key=lambda r: -r.admitted_at):
             if len(victim.out) > 4:
-                engine._preempt(victim)
+                engine.table.preempt(victim)
                 forced += 1
     assert forced == 2 and engine.stats().pages_used == 0, f"seed={seed}: forced {forced}"
     check_all(model, {rid: list(engine.drain(h)) for rid, h in handles.items()}, jobs, f"seed={seed} forced")
@@ -356,28 +360,28 @@ def test_tiny_page_pool_preempts_and_outputs_are_unchanged(seed):
 def test_requests_that_can_never_fit_are_refused_clearly():
     model = tiny_model(2)
     engine = IsdEngine(model, n_pages=3)   # 2 usable pages = 128 tokens
-    big = engine.submit("big", list(range(100)), IsdOptions(40, stride=4))
-    ok = engine.submit("ok", list(range(50)), IsdOptions(10, stride=4))
+    big = engine.submit(Job("big", list(range(100)), isd_options(40, stride=4)))
+    ok = engine.submit(Job("ok", list(range(50)), isd_options(10, stride=4)))
     engine.run_until_idle()
     (fin,) = [e for e in engine.drain(big) if isinstance(e, IsdFinishEvent)]
     assert fin.reason == "error" and "KV pages" in fin.error
     assert [e.reason for e in engine.drain(ok) if isinstance(e, IsdFinishEvent)][0] in ("stop", "length")
     with pytest.raises(ValueError, match="duplicate"):
-        engine.submit("x", [1], IsdOptions(4))
-        engine.submit("x", [1], IsdOptions(4))
+        engine.submit(Job("x", [1], isd_options(4)))
+        engine.submit(Job("x", [1], isd_options(4)))
     with pytest.raises(ValueError, match="context"):
-        engine.submit("y", [1] * 2000, IsdOptions(100))
+        engine.submit(Job("y", [1] * 2000, isd_options(100)))
     with pytest.raises(ValueError, match="max_stride"):
-        engine.submit("z", [1], IsdOptions(4, stride=9))
+        engine.submit(Job("z", [1], isd_options(4, stride=9)))
     with pytest.raises(ValueError, match="steering"):
-        engine.submit("s", [1], IsdOptions(4), steering=object())
+        engine.submit(Job("s", [1], isd_options(4), steering=object()))
     with pytest.raises(ValueError, match="proposal"):
-        IsdOptions(4, proposal="greedy")
+        isd_options(4, proposal="greedy")
 
 
 @pytest.mark.parity
 def test_resume_from_a_resumable_commit_continues_identically(seed):
-    for opts in (IsdOptions(40, stride=3, temperature=0.9, seed=seed), IsdOptions(40, stride=4)):
+    for opts in (isd_options(40, stride=3, temperature=0.9, seed=seed), isd_options(40, stride=4)):
         # A resumable commit is one cut at a cold step, i.e. after a rejection; with some random
         # models greedy ISD accepts every draft of a 40-token run, so try the next model seeds
         # until one run has such a commit strictly inside it (all seeds are in the messages).
@@ -385,7 +389,7 @@ def test_resume_from_a_resumable_commit_continues_identically(seed):
             model = lag_model(model_seed, lag=4, vocab=64, beta=1.0)
             prompt = prompts_for(model, random.Random(model_seed), (40,))[0]
             first = IsdEngine(model, n_pages=16)
-            h = first.submit("r", prompt, opts)
+            h = first.submit(Job("r", prompt, opts))
             first.run_until_idle()
             events = list(first.drain(h))
             commits = [e for e in events if isinstance(e, IsdCommitEvent)]
@@ -397,7 +401,7 @@ def test_resume_from_a_resumable_commit_continues_identically(seed):
         at = points[len(points) // 2]
         done = at.start + len(at.tokens)
         second = IsdEngine(model, n_pages=16)
-        h2 = second.submit("r", prompt, opts, committed=full[:done], next_step=at.step)
+        h2 = second.submit(Job("r", prompt, opts, committed=full[:done], next_step=at.step))
         second.run_until_idle()
         rest = list(second.drain(h2))
         assert rest[-1].output_tokens == full, f"seed={seed} model seed {model_seed} {opts}: resumed output differs"
@@ -409,13 +413,13 @@ def test_resume_from_a_resumable_commit_continues_identically(seed):
 def test_async_engine_wraps_the_isd_engine(seed):
     model = lag_model(seed, lag=4, vocab=64, beta=1.0)
     prompts = prompts_for(model, random.Random(seed), (3, 70))
-    opts = IsdOptions(20, stride=4, temperature=0.7, seed=seed)
+    opts = isd_options(20, stride=4, temperature=0.7, seed=seed)
     ref = reference(model, prompts, opts, [seed, seed])
     engine = AsyncEngine(IsdEngine(model, n_pages=16))
     engine.start()
 
     async def one(i):
-        return [e async for e in engine.generate(f"a{i}", prompts[i], opts)]
+        return [e async for e in engine.generate(Job(f"a{i}", prompts[i], opts))]
 
     async def both():
         return await asyncio.gather(one(0), one(1))
@@ -437,7 +441,7 @@ def test_request_stop_ids_end_like_eos(seed):
     stop = full[7]
     want = full[: full.index(stop) + 1]
     engine = IsdEngine(model, n_pages=8)
-    handles = [engine.submit(f"s{n}", prompt, IsdOptions(30, stride=n, stop_ids=(stop,))) for n in (1, 3, 8)]
+    handles = [engine.submit(Job(f"s{n}", prompt, isd_options(30, stride=n, stop_ids=(stop,)))) for n in (1, 3, 8)]
     engine.run_until_idle()
     for h in handles:
         fin = list(engine.drain(h))[-1]
@@ -448,7 +452,7 @@ def test_usage_fields_add_up():
     """Tokens per forward and acceptance on the finish event (what usage/metrics will report)."""
     model = lag_model(3, lag=4, vocab=64, beta=1.0)
     engine = IsdEngine(model, n_pages=16)
-    h = engine.submit("u", [1, 2, 3, 4, 5], IsdOptions(48, stride=4))
+    h = engine.submit(Job("u", [1, 2, 3, 4, 5], isd_options(48, stride=4)))
     engine.run_until_idle()
     fin = list(engine.drain(h))[-1]
     st: DecodeStats = fin.stats
@@ -467,9 +471,10 @@ def test_fp32_paged_forward_matches_the_dense_forward(seed):
     rng = random.Random(seed)
     engine = IsdEngine(model, n_pages=32)
     for i, (length, n) in enumerate([(1, 1), (63, 3), (64, 4), (130, 2), (7, 8)]):
-        engine.submit(f"f{i}", prompts_for(model, rng, (length,))[0],
-                      IsdOptions(30, stride=n, temperature=0.8, seed=seed + i))
-    apply, forward = engine._apply, engine.runner.forward
+        engine.submit(Job(f"f{i}", prompts_for(model, rng, (length,))[0],
+                      isd_options(30, stride=n, temperature=0.8, seed=seed + i)))
+    strategy = engine.strategy
+    apply, forward = strategy.apply, strategy.runner.forward
     launched: list = []   # (inputs, logits) per launched step; applied in launch order
 
     def capture(inp, window):
@@ -477,7 +482,7 @@ def test_fp32_paged_forward_matches_the_dense_forward(seed):
         launched.append((inp, logits.clone()))   # before the step bans the never-output ids in place
         return logits
 
-    def check(rows, packed, k):   # rows: the step's rows as applied (an overlapped step's resolved)
+    def check(table, rows, packed, layout):   # rows: the step's rows as applied (an overlapped step's resolved)
         inp, logits = launched.pop(0)
         for i, row in enumerate(rows):
             if row is None or row.kind == "prefill":
@@ -492,11 +497,11 @@ def test_fp32_paged_forward_matches_the_dense_forward(seed):
             err = float((got - dense).abs().max() / dense.abs().max())
             assert err <= 1e-5, f"seed={seed} {row.req.request_id} {row.kind}: relative error {err:.2e}"
             seen["checked"] = seen.get("checked", 0) + 1
-        return apply(rows, packed, k)
+        return apply(table, rows, packed, layout)
 
     seen: dict = {}
-    engine.runner.forward = capture
-    engine._apply = check
+    strategy.runner.forward = capture
+    strategy.apply = check
     engine.run_until_idle()
     assert seen["checked"] > 40 and engine.overlapped_steps > 0
 
@@ -526,11 +531,11 @@ def test_cuda_engine_with_the_triton_verify_equals_the_reference(cuda_graphs, se
     jobs = []
     for c, (n, t, k, p, prop) in enumerate(SAMPLED):
         for prompt in prompts_for(model, rng, rng.sample(LENGTHS, 2)):
-            jobs.append((f"c{c}-{len(jobs)}", prompt, IsdOptions(NEW, stride=n, temperature=t, top_k=k, top_p=p,
+            jobs.append((f"c{c}-{len(jobs)}", prompt, isd_options(NEW, stride=n, temperature=t, top_k=k, top_p=p,
                                                                   proposal=prop, seed=rng.randrange(1 << 40))))
     engine = IsdEngine(model.cuda(), n_pages=64, cuda_graphs=cuda_graphs)
     from cde.isd.verify_kernel import launch
-    assert engine.runner.verify_fn is launch
+    assert engine.strategy.runner.verify_fn is launch
     events = run_in_waves(engine, jobs, waves=3, steps_between=3)
     assert (engine.stats().graphs > 0) == cuda_graphs
     check_all(model.cpu(), events, jobs, f"seed={seed} cuda graphs={cuda_graphs}")
@@ -544,20 +549,20 @@ def test_a_prompt_alone_prefills_in_bigger_steps_than_one_joining_decoding_reque
     model = lag_model(seed, lag=4, vocab=64, beta=1.0)   # no EOS: "alone" still decodes while "joining" prefills
     engine = IsdEngine(model, n_pages=64, max_prefill_rows=2, prefill_rows_alone=4)
     chunks_per_step: list[int] = []
-    launch = engine._launch
+    execute = engine.strategy.execute
 
-    def counting(rows, overlapped=False):
-        chunks_per_step.append(sum(r.kind in (PREFILL, FIRST) for r in rows))
-        return launch(rows, overlapped)
+    def counting(plan):
+        chunks_per_step.append(sum(r.kind in (PREFILL, FIRST) for r in plan.rows))
+        return execute(plan)
 
-    engine._launch = counting
+    engine.strategy.execute = counting
     rng = random.Random(seed)
     prompts = prompts_for(model, rng, (256, 256))
-    opts = IsdOptions(NEW, stride=1)
-    alone = engine.submit("alone", prompts[0], opts)
+    opts = isd_options(NEW, stride=1)
+    alone = engine.submit(Job("alone", prompts[0], opts))
     engine.step()
     assert chunks_per_step == [4], (seed, chunks_per_step)   # the whole prompt in one step
-    joining = engine.submit("joining", prompts[1], opts)
+    joining = engine.submit(Job("joining", prompts[1], opts))
     engine.run_until_idle()
     assert [n for n in chunks_per_step[1:] if n] == [2, 2], (seed, chunks_per_step)
     for h, want in zip((alone, joining), generate_ar_batch(model, prompts, NEW)):

@@ -9,24 +9,17 @@ from pathlib import Path
 from tests.module_graph import scan
 
 ROOT = Path(__file__).resolve().parents[1]
-# Known until the engine is recomposed (issue 34 item 1: the request table calls the strategy's
-# hooks): exactly these and no others are tolerated, and only in these two modules.
-ENGINE_PENDING = ("worker_svc.engine.request_table <-> worker_svc.engine.runtime", "worker_svc/engine/request_table.py:")
-
-
-def _new(findings: list[str]) -> list[str]:
-    return [f for f in findings if not f.startswith(ENGINE_PENDING)]
 
 
 def test_no_import_cycles_between_modules():
     found = scan(ROOT)
-    assert not _new(found.cycles), "\n".join(_new(found.cycles))
+    assert not found.cycles, "\n".join(found.cycles)
 
 
 def test_no_private_names_or_methods_used_across_modules():
     found = scan(ROOT)
-    assert not _new(found.private_imports), "\n".join(_new(found.private_imports))
-    assert not _new(found.private_calls), "\n".join(_new(found.private_calls))
+    assert not found.private_imports, "\n".join(found.private_imports)
+    assert not found.private_calls, "\n".join(found.private_calls)
 
 
 def test_the_checker_finds_a_cycle_a_private_import_and_a_private_call(tmp_path):

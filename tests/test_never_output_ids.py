@@ -27,10 +27,12 @@ from cde.qwen3.config import preset
 from cde.qwen3.model import Qwen3Model
 from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
-from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.reference_decoder import generate
 from cde.steerling.sampling import SamplingParams, banned_ids
+from tests.options import decode_options, isd_options
+from worker_svc.engine.job import Job
 from worker_svc.engine.steerling_engine import FinishEvent, SteerlingEngine, StepEvent
-from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
+from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent
 
 pytestmark = pytest.mark.parity
 
@@ -87,11 +89,11 @@ def test_steerling_decoders_never_sample_the_mask_even_when_it_has_the_largest_l
         # seed of the test's stream (at most 10) until the reference samples at least 20 tokens
         for _ in range(10):
             prompt = [rng.randrange(256) for _ in range(rng.choice((5, 40, 64)))]
-            opts = DecodeOptions(48, sp, tokens_per_step=2, seed=rng.randrange(1 << 40))
+            opts = decode_options(48, sampling=sp, tokens_per_step=2, seed=rng.randrange(1 << 40))
             ref = generate(model, prompt, opts, tokenizer_vocab_size=STEERLING_VOCAB)
             if sum(len(s.tokens) for s in ref.steps) >= 20:
                 break
-        submitted[f"s{i}"] = (prompt, opts, ref, engine.submit(f"s{i}", prompt, opts))
+        submitted[f"s{i}"] = (prompt, opts, ref, engine.submit(Job(f"s{i}", prompt, opts)))
     engine.run_until_idle()
     for rid, (prompt, opts, ref, handle) in submitted.items():
         events = list(engine.drain(handle))
@@ -155,7 +157,7 @@ def test_causal_decoders_never_sample_the_mask_even_when_it_has_the_largest_logi
         for prompt, ref, s in zip(prompts, causal_reference(model, prompts, n, t, p, seeds, vocab), seeds):
             rid = f"N{n}-T{t}-L{len(prompt)}-{c}"
             refs[rid] = ref
-            handles[rid] = engine.submit(rid, prompt, IsdOptions(24, stride=n, temperature=t, top_p=p, seed=s))
+            handles[rid] = engine.submit(Job(rid, prompt, isd_options(24, stride=n, temperature=t, top_p=p, seed=s)))
     engine.run_until_idle()
     greedy_ar = {len(p): g.tokens for p, g in zip(prompts, causal_reference(model, prompts, 1, 0.0, 1.0,
                                                                               [0] * 3, vocab))}
@@ -199,19 +201,19 @@ def test_the_tokenizers_holes_are_never_sampled_by_the_engine(seed):
     the same seeds samples none of them."""
     model = SteerlingModel(TINY).init_random(seed % 1000, std=0.05).eval()
     prompt = list(range(1, 40))
-    opts = DecodeOptions(96, SamplingParams(temperature=1.0), seed=seed)
+    opts = decode_options(96, sampling=SamplingParams(temperature=1.0), seed=seed)
     # both runs ban EOS and <|eot_id|>: every run goes to length (a first token that ended the
     # request left nothing to pick holes from, seed 420051850)
     stops = (TINY.eos_id, TINY.eot_id)
     first = SteerlingEngine(model, tokenizer_vocab_size=STEERLING_VOCAB, n_pages=16, never_output_ids=stops)
-    h = first.submit("a", prompt, opts)
+    h = first.submit(Job("a", prompt, opts))
     first.run_until_idle()
     out = [e for e in first.drain(h) if isinstance(e, FinishEvent)][0].output_tokens
     holes = tuple(sorted(set(out), key=out.count)[-3:])
     assert len(out) == 96 and holes, f"seed={seed}: {out}"
     second = SteerlingEngine(model, tokenizer_vocab_size=STEERLING_VOCAB, n_pages=16,
                              never_output_ids=holes + stops)
-    h = second.submit("a", prompt, opts)
+    h = second.submit(Job("a", prompt, opts))
     second.run_until_idle()
     again = [e for e in second.drain(h) if isinstance(e, FinishEvent)][0].output_tokens
     assert again and not set(again) & set(holes), f"seed={seed}: {holes} sampled again"
@@ -291,7 +293,7 @@ def test_the_causal_engine_never_samples_the_ids_it_is_told_to_ban(seed):
 
     def run(banned):
         engine = IsdEngine(model, n_pages=64, never_output_ids=banned)
-        hs = [engine.submit(f"r{i}-{n}", p, IsdOptions(24, stride=n, temperature=1.0, seed=seed + i))
+        hs = [engine.submit(Job(f"r{i}-{n}", p, isd_options(24, stride=n, temperature=1.0, seed=seed + i)))
               for i, p in enumerate(prompts) for n in (1, 4)]
         engine.run_until_idle()
         return [t for h in hs for e in engine.drain(h) if isinstance(e, IsdFinishEvent) for t in e.output_tokens]

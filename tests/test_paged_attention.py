@@ -114,18 +114,20 @@ def test_isd_engine_in_bf16_uses_the_paged_kernel_and_its_logits_track_the_sdpa_
     """In the engine the kernel replaces gather + SDPA for decode windows and prompt chunks: a
     decode window's and a 64-query prompt chunk's logits with it and without it (same inputs,
     bf16) agree to bf16 rounding, and the chunk's forward runs the kernel in every layer."""
+    from tests.options import isd_options
     from tests.tiny_models import tiny_model
     from worker_svc.engine import isd_runner
-    from worker_svc.engine.isd_engine import IsdEngine, IsdOptions
+    from worker_svc.engine.isd_engine import IsdEngine
+    from worker_svc.engine.job import Job
 
     model = tiny_model(5).to("cuda", torch.bfloat16)
     engine = IsdEngine(model, max_slots=4, n_pages=64, max_stride=4)
-    handles = [engine.submit(f"r{i}", list(range(3 + 50 * i)), IsdOptions(24, stride=s))
+    handles = [engine.submit(Job(f"r{i}", list(range(3 + 50 * i)), isd_options(24, stride=s)))
                for i, s in enumerate((1, 4, 2))]
     while engine.has_work():
         engine.step()
     assert all(h.out for h in handles)
-    assert engine.runner.paged_calls > 0
+    assert engine.strategy.runner.paged_calls > 0
     # the same decode window (the last forward) and prompt chunk (the first) through both paths
     captured = {}
     real_forward = isd_runner.IsdRunner.forward
@@ -137,25 +139,25 @@ def test_isd_engine_in_bf16_uses_the_paged_kernel_and_its_logits_track_the_sdpa_
 
     isd_runner.IsdRunner.forward = spy
     try:
-        h = engine.submit("spy", list(range(70)), IsdOptions(3, stride=4))
+        h = engine.submit(Job("spy", list(range(70)), isd_options(3, stride=4)))
         while engine.has_work():
             engine.step()
         assert h.out
     finally:
         isd_runner.IsdRunner.forward = real_forward
     inp, window = captured["inp"], captured["window"]
-    with_kernel = engine.runner.forward(inp, window).float()
-    engine.runner.use_paged_attention = False
-    without = engine.runner.forward(inp, window).float()
-    engine.runner.use_paged_attention = True
+    with_kernel = engine.strategy.runner.forward(inp, window).float()
+    engine.strategy.runner.use_paged_attention = False
+    without = engine.strategy.runner.forward(inp, window).float()
+    engine.strategy.runner.use_paged_attention = True
     scale = float(without.abs().max())
     assert float((with_kernel - without).abs().max()) < 0.05 * scale
     chunk, chunk_window = captured["chunk"]
     assert chunk.positions.shape[1] == 64                      # the 70-token prompt's 64 + 6 chunk rows
-    calls = engine.runner.paged_calls
-    with_kernel = engine.runner.forward(chunk, chunk_window).float()
-    assert engine.runner.paged_calls - calls == model.cfg.n_layers, (calls, engine.runner.paged_calls)
-    engine.runner.use_paged_attention = False
-    without = engine.runner.forward(chunk, chunk_window).float()
-    engine.runner.use_paged_attention = True
+    calls = engine.strategy.runner.paged_calls
+    with_kernel = engine.strategy.runner.forward(chunk, chunk_window).float()
+    assert engine.strategy.runner.paged_calls - calls == model.cfg.n_layers, (calls, engine.strategy.runner.paged_calls)
+    engine.strategy.runner.use_paged_attention = False
+    without = engine.strategy.runner.forward(chunk, chunk_window).float()
+    engine.strategy.runner.use_paged_attention = True
     assert float((with_kernel - without).abs().max()) < 0.05 * float(without.abs().max())

@@ -11,8 +11,9 @@ import torch
 from cde.steerling.concept_heads import streaming_topk
 from cde.steerling.config import TINY
 from cde.steerling.model import SteerlingModel
-from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.reference_decoder import generate
 from cde.steerling.sampling import SamplingParams, counter_uniform, draw, most_confident, sampling_distribution
+from tests.options import decode_options
 
 VOCAB = 264
 
@@ -29,7 +30,7 @@ def greedy():
 @pytest.mark.parametrize("prompt_len", [1, 63, 64, 65, 130])
 def test_blocks_are_aligned_and_prompt_is_fixed(model, prompt_len):
     prompt = torch.randint(0, 256, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
-    res = generate(model, prompt, DecodeOptions(70, SamplingParams(), seed=5), tokenizer_vocab_size=VOCAB)
+    res = generate(model, prompt, decode_options(70, sampling=SamplingParams(), seed=5), tokenizer_vocab_size=VOCAB)
     assert res.sequence[:prompt_len] == prompt
     first = res.blocks[0]
     assert first.block == prompt_len // 64 and first.start == prompt_len
@@ -48,19 +49,21 @@ def test_blocks_are_aligned_and_prompt_is_fixed(model, prompt_len):
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(model):
     prompt = list(range(40, 100))
-    a = generate(model, prompt, DecodeOptions(64, seed=11), tokenizer_vocab_size=VOCAB)
-    b = generate(model, prompt, DecodeOptions(64, seed=11), tokenizer_vocab_size=VOCAB)
-    c = generate(model, prompt, DecodeOptions(64, seed=12), tokenizer_vocab_size=VOCAB)
+    a = generate(model, prompt, decode_options(64, seed=11), tokenizer_vocab_size=VOCAB)
+    b = generate(model, prompt, decode_options(64, seed=11), tokenizer_vocab_size=VOCAB)
+    c = generate(model, prompt, decode_options(64, seed=12), tokenizer_vocab_size=VOCAB)
     assert a.sequence == b.sequence
     assert a.sequence != c.sequence
 
 
 def test_threshold_mode_commits_several_per_step(model):
     prompt = list(range(64))
-    res = generate(model, prompt, DecodeOptions(64, greedy(), tokens_per_step=16, confidence_threshold=0.0102), tokenizer_vocab_size=VOCAB)
+    res = generate(model, prompt, decode_options(64, sampling=greedy(), tokens_per_step=16, confidence_threshold=0.0102),
+                   tokenizer_vocab_size=VOCAB)
     sizes = [len(s.positions) for s in res.steps]
     assert all(n >= 1 for n in sizes) and max(sizes) > 1 and len(res.steps) < 64
-    strict = generate(model, prompt, DecodeOptions(64, greedy(), tokens_per_step=16, confidence_threshold=1.0), tokenizer_vocab_size=VOCAB)
+    strict = generate(model, prompt, decode_options(64, sampling=greedy(), tokens_per_step=16, confidence_threshold=1.0),
+                      tokenizer_vocab_size=VOCAB)
     assert all(len(s.positions) == 1 for s in strict.steps)
 
 
@@ -70,7 +73,7 @@ def test_eot_stops_generation_and_cuts_output(model):
     m.load_state_dict(model.state_dict())
     with torch.no_grad():
         m.transformer.lm_head.weight[TINY.eot_id] *= 40
-    res = generate(m, list(range(64)), DecodeOptions(128, greedy()), tokenizer_vocab_size=VOCAB)
+    res = generate(m, list(range(64)), decode_options(128, sampling=greedy()), tokenizer_vocab_size=VOCAB)
     assert res.finish_reason == "stop"
     assert TINY.eot_id not in res.output_tokens
     eot_pos = res.sequence.index(TINY.eot_id)
@@ -79,16 +82,17 @@ def test_eot_stops_generation_and_cuts_output(model):
 
 
 def test_stop_ids_end_after_the_block(model):
-    base = generate(model, list(range(64)), DecodeOptions(128, greedy()), tokenizer_vocab_size=VOCAB)
+    base = generate(model, list(range(64)), decode_options(128, sampling=greedy()), tokenizer_vocab_size=VOCAB)
     stop = base.sequence[64 + 5]
-    res = generate(model, list(range(64)), DecodeOptions(128, greedy(), stop_ids=(stop,)), tokenizer_vocab_size=VOCAB)
+    res = generate(model, list(range(64)), decode_options(128, sampling=greedy(), stop_ids=(stop,)),
+                   tokenizer_vocab_size=VOCAB)
     assert res.finish_reason == "stop" and len(res.blocks) == 1
     assert stop not in res.output_tokens
     assert res.output_tokens == base.output_tokens[:len(res.output_tokens)]
 
 
 def test_never_emits_banned_or_padding_ids(model):
-    res = generate(model, list(range(10)), DecodeOptions(150, SamplingParams(top_p=1.0), seed=3),
+    res = generate(model, list(range(10)), decode_options(150, sampling=SamplingParams(top_p=1.0), seed=3),
                    tokenizer_vocab_size=VOCAB)
     gen = [t for s in res.steps for t in s.tokens]
     assert len(gen) > 0 and all(t < VOCAB for t in gen)
@@ -98,7 +102,7 @@ def test_never_emits_banned_or_padding_ids(model):
 def test_records_hold_the_raw_logit_of_the_committed_token(model):
     model = SteerlingModel(TINY.replace(eot_id=None)).eval()   # no <|eot_id|>: the last step is the 64th
     model.load_state_dict(SteerlingModel(TINY).init_random(7, std=0.05).state_dict())
-    res = generate(model, list(range(64)), DecodeOptions(64, seed=1), tokenizer_vocab_size=VOCAB)
+    res = generate(model, list(range(64)), decode_options(64, seed=1), tokenizer_vocab_size=VOCAB)
     rec = res.records
     # recompute the forward that committed the last token and compare its raw logit
     last = res.steps[-1]
@@ -112,13 +116,13 @@ def test_records_hold_the_raw_logit_of_the_committed_token(model):
 
 def test_invalid_options_are_rejected(model):
     with pytest.raises(ValueError):
-        DecodeOptions(0)
+        decode_options(0)
     with pytest.raises(ValueError):
-        DecodeOptions(10, tokens_per_step=0)
+        decode_options(10, tokens_per_step=0)
     with pytest.raises(ValueError):
-        generate(model, [], DecodeOptions(4))
+        generate(model, [], decode_options(4))
     with pytest.raises(ValueError, match="context"):
-        generate(model, [1] * 1000, DecodeOptions(100))
+        generate(model, [1] * 1000, decode_options(100))
 
 
 # ---------------------------------------------------------------------------------------

@@ -33,11 +33,13 @@ from cde.redis_util import free_port
 from cde.rpc.v1 import (attribution_pb2, attribution_pb2_grpc, common_pb2, resolved_pb2, scheduler_pb2,
                         scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc)
 from cde.steerling.loading import load_model
-from cde.steerling.reference_decoder import DecodeOptions, clean_output, generate, terminal_ids
+from cde.steerling.reference_decoder import clean_output, generate, terminal_ids
 from cde.steerling.sampling import SamplingParams
 from scheduler_svc.service import ATTACH_MD, SchedulerOptions, start_scheduler
 from scheduler_svc.state import RequestStore
+from tests.options import decode_options
 from tests.redis_fixture import flush
+from worker_svc.engine.job import Job
 from worker_svc.engine.steerling_engine import BlockEvent, SteerlingEngine
 from worker_svc.service import WorkerOptions, start_worker
 
@@ -55,7 +57,8 @@ def model():
 
 @functools.lru_cache(maxsize=None)
 def reference(prompt: tuple[int, ...], max_new: int, k: int, seed: int):
-    return generate(model(), list(prompt), DecodeOptions(max_new, SamplingParams(), k, seed=seed),
+    return generate(model(), list(prompt),
+                    decode_options(max_new, sampling=SamplingParams(), tokens_per_step=k, seed=seed),
                     tokenizer_vocab_size=VOCAB)
 
 
@@ -162,7 +165,7 @@ def assert_matches_reference(events, prompt, max_new, k, seed):
     assert fin.reason == want
     cfg = model().cfg
     out = clean_output([t for b in blocks for t in b.tokens], cfg,
-                       terminal_ids(cfg, DecodeOptions(max_new, seed=seed)))
+                       terminal_ids(cfg, decode_options(max_new, seed=seed)))
     assert out == ref.output_tokens
     assert fin.usage.completion_tokens == len(ref.output_tokens)
     assert fin.usage.steps == len(ref.steps)
@@ -193,7 +196,8 @@ def long_job(i: int, max_new: int = 300) -> tuple[list[int], int, int, int]:
 def _engine_reproduces(prompt: list[int], max_new: int, k: int, seed: int) -> bool:
     with one_intra_op_thread():   # as `run` gives the workers
         engine = SteerlingEngine(model(), tokenizer_vocab_size=VOCAB, max_slots=2, n_pages=64)
-        handle = engine.submit("probe", prompt, DecodeOptions(max_new, SamplingParams(), k, seed=seed))
+        opts = decode_options(max_new, sampling=SamplingParams(), tokens_per_step=k, seed=seed)
+        handle = engine.submit(Job("probe", prompt, opts))
         engine.run_until_idle()
     got = [ev.tokens for ev in engine.drain(handle) if isinstance(ev, BlockEvent)]
     return got == [b.tokens for b in reference(tuple(prompt), max_new, k, seed).blocks]

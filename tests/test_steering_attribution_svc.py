@@ -28,11 +28,12 @@ from cde.steerling import attribution as attr
 from cde.steerling.catalog import ConceptCatalog
 from cde.steerling.config import SteerlingConfig
 from cde.steerling.loading import load_model
-from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.reference_decoder import generate
 from cde.steerling.steering import PreparedSteering, SteeringSpec, prepare, steering_direction
 from steering_svc import service as steering_service
 from gateway.resolve import resolved_steering
 from steering_svc.backend import SteeringBackend
+from tests.options import decode_options
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "steerling-tiny"
 N_LAYERS = SteerlingConfig.load(MODEL_DIR).n_layers
@@ -349,7 +350,7 @@ def steered_run(model):
                 common_pb2.SteeringRequest(concepts=[concept("ocean")], inject_layer=1)), timeout=TIMEOUT)
     prepared = to_prepared(run(build))
     forced = {p: cfg.endofchunk_id for p in FORCED_EOC} | {FORCED_EOT: cfg.eot_id}
-    res = generate(model, PROMPT, DecodeOptions(170 - len(PROMPT), seed=3), prepared,
+    res = generate(model, PROMPT, decode_options(170 - len(PROMPT), seed=3), prepared,
                    tokenizer_vocab_size=264, choose=forced_choice(cfg, forced))
     assert res.finish_reason == "stop" and [b.start for b in res.blocks] == [22, 64, 128]
     return res
@@ -633,3 +634,56 @@ def test_not_serving_and_unavailable_until_loaded(monkeypatch, which):
             finally:
                 await running.stop(None)
     run(main)
+
+
+@pytest.mark.fault
+@pytest.mark.contract
+def test_a_stream_reopened_while_the_stored_blocks_cannot_be_read_still_sees_them(model):
+    """The scheduler's AttributionSession against a real replica: its stream breaks after block 0,
+    and the first read of the stored blocks for the replay fails (Redis failing over). The next
+    attempt must replay block 0, so the chunk that spans blocks 0 and 1 is scored as one: every
+    attribution equals an undisturbed session's. (A stream kept from the failed reopen started
+    its chunk at block 1: the chaos test's "attributions differ".)"""
+    import redis
+    from scheduler_svc.attribution import AttributionPool, AttributionSession
+
+    cfg = model.cfg
+    seed = np.random.SeedSequence().entropy % (1 << 31)
+    requests = random_block_requests(cfg, seed, top_k=4, n_blocks=3)
+    blocks = [common_pb2.BlockCommitted(block_index=r.block_index, start=r.start, tokens=r.context_tokens,
+                                        records=r.records, last=r.last) for r in requests]
+    first = blocks[0].block_index
+
+    async def session_run(disturb: bool) -> list[common_pb2.BlockCommitted]:
+        attrib = await attribution_service.build_server(MODEL_DIR, "127.0.0.1", 0)
+        pool = AttributionPool([f"127.0.0.1:{attrib.port}"])
+        stored: list[common_pb2.BlockCommitted] = []
+        failures = [disturb]
+
+        async def history():
+            if stored and failures and failures.pop():
+                raise redis.exceptions.ConnectionError("Redis is failing over")
+            return list(stored)
+        session = AttributionSession(pool, "rs", "", common_pb2.ATTRIBUTION_ALL, 4, set(), history, first)
+        try:
+            for i, b in enumerate(blocks):
+                b = common_pb2.BlockCommitted.FromString(b.SerializeToString())
+                if disturb and i == 1:
+                    session._drop()   # the stream broke after block 0
+                    with pytest.raises(redis.exceptions.ConnectionError):
+                        await session.attach(b, b.last)
+                    assert not b.chunk_attributions and session._call is None, f"seed={seed}"
+                await session.attach(b, b.last)
+                stored.append(b)
+            await session.close()
+        finally:
+            await pool.close()
+            await attrib.stop(None)
+        return stored
+
+    want, got = run(lambda: session_run(False)), run(lambda: session_run(True))
+    assert sum(len(b.chunk_attributions) for b in want) >= 2, f"seed={seed}"
+    assert any(c.start < b.start for b in want for c in b.chunk_attributions), f"seed={seed}: no chunk spans blocks"
+    for a, b in zip(want, got):
+        assert list(b.chunk_attributions) == list(a.chunk_attributions), f"seed={seed} block {a.block_index}"
+        assert list(b.token_attributions) == list(a.token_attributions), f"seed={seed} block {a.block_index}"

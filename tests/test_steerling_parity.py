@@ -19,10 +19,11 @@ from cde.steerling import steering as st
 from cde.steerling.config import STEERLING_8B, TINY
 from cde.steerling.loading import load_model
 from cde.steerling.model import KnownIntervention, SteeringInputs, SteerlingModel
-from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.steerling.reference_decoder import generate
 from cde.steerling.sampling import SamplingParams, banned_ids, sampling_distribution
 from cde.steerling.tokenizer import ByteTokenizer
 from tests.numerics import rel_err
+from tests.options import decode_options
 from tests.oracle import assert_same_topk, build_oracle, oracle_configs
 from tests.seeding import draw_seed
 
@@ -255,11 +256,11 @@ def test_greedy_generation_matches_generate_full(steer, seed):
                               ours.transformer.lm_head.weight, cfg.n_layers)
     ref = gen.generate_full(prompt, GenerationConfig(max_new_tokens=128, steps=128, use_entropy_sampling=False,
                                                      temperature=0.0), steering=ref_steer)
-    res = generate(ours, prompt[0].tolist(), DecodeOptions(128, greedy()), prepared,
+    res = generate(ours, prompt[0].tolist(), decode_options(128, sampling=greedy()), prepared,
                    tokenizer_vocab_size=TOKENIZER_VOCAB)
     assert res.sequence == ref.tokens.tolist(), f"seed {seed}"
     if steer != "none":
-        unsteered = generate(ours, prompt[0].tolist(), DecodeOptions(128, greedy()),
+        unsteered = generate(ours, prompt[0].tolist(), decode_options(128, sampling=greedy()),
                              tokenizer_vocab_size=TOKENIZER_VOCAB)
         assert unsteered.sequence != res.sequence  # steering changed the text
 
@@ -273,7 +274,7 @@ def test_greedy_generation_k_tokens_per_step_matches(seed):
     prompt = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(seed))
     ref = gen.generate_full(prompt, GenerationConfig(max_new_tokens=128, steps=32, use_entropy_sampling=False,
                                                      temperature=0.0))
-    res = generate(ours, prompt[0].tolist(), DecodeOptions(128, greedy(), tokens_per_step=4),
+    res = generate(ours, prompt[0].tolist(), decode_options(128, sampling=greedy(), tokens_per_step=4),
                    tokenizer_vocab_size=TOKENIZER_VOCAB)
     assert res.sequence == ref.tokens.tolist(), f"seed {seed}"
     assert all(len(s.positions) == 4 for s in res.steps[:-1])
@@ -332,7 +333,7 @@ def test_sampling_distribution_matches_oracle_at_every_position(mode, monkeypatc
         step["i"] += 1
         return torch.tensor([token])
 
-    res = generate(ours, prompt[0].tolist(), DecodeOptions(64, params, seed=seed), choose=replay,
+    res = generate(ours, prompt[0].tolist(), decode_options(64, sampling=params, seed=seed), choose=replay,
                    tokenizer_vocab_size=TOKENIZER_VOCAB)
     assert step["i"] == len(draws)
     assert res.sequence == ref.tokens.tolist()  # same positions chosen by confidence every step
@@ -357,7 +358,7 @@ def test_attribution_matches_faithful_concept_attributor(monkeypatch, seed):
         max_new_tokens=128, steps=128, use_entropy_sampling=False, temperature=0.0))
     ref = attributor.last_attribution
 
-    res = generate(ours, ByteTokenizer().encode(prompt_text), DecodeOptions(128, greedy()),
+    res = generate(ours, ByteTokenizer().encode(prompt_text), decode_options(128, sampling=greedy()),
                    tokenizer_vocab_size=TOKENIZER_VOCAB)
     assert res.sequence == ref_out.tokens.tolist()
     records = res.records

@@ -45,11 +45,12 @@ def test_bundle_fits_its_budget():
 
 @pytest.mark.parametrize("seed", [3, 11])
 def test_fixed_seed_generation_is_readable(model, tokenizer, seed):
-    from cde.steerling.reference_decoder import DecodeOptions, generate
+    from cde.steerling.reference_decoder import generate
+    from tests.options import decode_options
 
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story about a fox."}],
                                            add_generation_prompt=True)
-    out = generate(model, prompt, DecodeOptions(max_new_tokens=96, seed=seed, stop_ids=(model.cfg.eot_id,)))
+    out = generate(model, prompt, decode_options(max_new_tokens=96, seed=seed, stop_ids=(model.cfg.eot_id,)))
     ids = out.output_tokens
     text = tokenizer.decode(ids)
     assert len(ids) >= 32, f"seed {seed}: only {len(ids)} tokens: {text!r}"
@@ -107,14 +108,15 @@ KNOWN_IN_TOP8_FLOOR = 0.8
 def test_known_concepts_carry_the_logit_of_generated_tokens(model, tokenizer):
     """Fixed-seed generations through the serving engine: the known head's share of the absolute
     logit mass of the committed tokens, and how many tokens list a known concept in their top 8."""
-    from cde.steerling.reference_decoder import DecodeOptions
     from cde.steerling.sampling import SamplingParams
+    from tests.options import decode_options
     from train.eval_steerling import logit_mass, run_engine
 
     prompts = ["Tell me a story about a fox.", "Write a story with a puffin in it.",
                "What happened at the harbor?", "Describe a quiet village."]
     reqs = [(f"d{i}", tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
-             DecodeOptions(64, SamplingParams(), seed=5 + i, stop_ids=()), None) for i, p in enumerate(prompts)]
+             decode_options(64, sampling=SamplingParams(), seed=5 + i, stop_ids=()), None)
+            for i, p in enumerate(prompts)]
     res = run_engine(model, reqs, tokenizer.vocab_size, max_slots=4)
     mass = logit_mass(model, res)
     assert mass["tokens"] >= 128, mass

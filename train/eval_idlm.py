@@ -50,7 +50,9 @@ from cde.qwen3.chat import load_chat_tokenizer
 from cde.qwen3.loading import load_lora, load_qwen3
 from cde.qwen3.model import Qwen3Model, masked_attend
 from train.idlm_objective import attention_mask, causal_lm_loss
-from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent, IsdOptions
+from cde.options import IsdOptions
+from worker_svc.engine.isd_engine import IsdEngine, IsdFinishEvent
+from worker_svc.engine.job import Job
 
 STRIDES = (2, 3, 4, 8)
 PAPER = {"alpha": 0.984, "tpf_n4": 2.96, "model": "I-DLM-8B"}
@@ -139,7 +141,7 @@ def introspection(model: Qwen3Model, rows: torch.Tensor, stride: int, gated: boo
 # ---- 3: acceptance and tokens per forward through the engine -----------------------------------
 def engine_runs(model: Qwen3Model, prompts: list[list[int]], opts: IsdOptions) -> tuple[dict, list[list[int]]]:
     engine = IsdEngine(model, max_slots=len(prompts), max_stride=8, n_pages=max(64, len(prompts) * 8))
-    reqs = [engine.submit(f"r{i}", p, IsdOptions(**{**opts.__dict__, "seed": opts.seed + i}))
+    reqs = [engine.submit(Job(f"r{i}", p, IsdOptions(**{**opts.__dict__, "seed": opts.seed + i})))
             for i, p in enumerate(prompts)]
     engine.run_until_idle()
     keys = ("forwards", "generated", "proposed", "accepted", "verify_steps", "full_accepts")
@@ -158,7 +160,9 @@ def tpf_table(model: Qwen3Model, prompts: list[list[int]], max_new: int, strides
     rows = []
     for t in temperatures:
         for n in strides:
-            tot, _ = engine_runs(model, prompts, IsdOptions(max_new_tokens=max_new, stride=n, temperature=t, seed=11))
+            opts = IsdOptions(max_new_tokens=max_new, stride=n, temperature=t, top_k=0, top_p=1.0, seed=11,
+                              proposal="sample", lora_gated=True, stop_ids=())
+            tot, _ = engine_runs(model, prompts, opts)
             acceptance = tot["accepted"] / tot["proposed"] if tot["proposed"] else 0.0
             # p: a draft's acceptance given the drafts before it were accepted (the formula's p):
             # accepted over the drafts examined (accepted + one rejection per non-full verify step)
@@ -249,8 +253,10 @@ def speed(model_dir: Path, prompts: list[list[int]], max_new: int, concurrencies
     for c in concurrencies:
         for n in (1, 4):
             for rep in range(2):   # the first pass captures graphs for new buckets
-                reqs = [engine.submit(f"s{c}-{n}-{rep}-{i}", prompts[i % len(prompts)],
-                                      IsdOptions(max_new_tokens=max_new, stride=n)) for i in range(c)]
+                reqs = [engine.submit(Job(f"s{c}-{n}-{rep}-{i}", prompts[i % len(prompts)],
+                                          IsdOptions(max_new_tokens=max_new, stride=n, temperature=0.0, top_k=0,
+                                                     top_p=1.0, seed=0, proposal="sample", lora_gated=True,
+                                                     stop_ids=()))) for i in range(c)]
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 engine.run_until_idle()
@@ -287,7 +293,9 @@ def samples(model: Qwen3Model, model_dir: Path, prompts: list[list[int]], max_ne
     tok = load_chat_tokenizer(model_dir, model.cfg)
     out = []
     for t in (0.0, 1.0):
-        tot, outs = engine_runs(model, prompts, IsdOptions(max_new_tokens=max_new, stride=4, temperature=t, seed=5))
+        opts = IsdOptions(max_new_tokens=max_new, stride=4, temperature=t, top_k=0, top_p=1.0, seed=5,
+                          proposal="sample", lora_gated=True, stop_ids=())
+        tot, outs = engine_runs(model, prompts, opts)
         for p, o in zip(prompts, outs):
             out.append({"temperature": t, "prompt": tok.decode(p, skip_special=False),
                         "completion": tok.decode(o)})

@@ -38,13 +38,14 @@ import torch
 from cde.steerling.attribution import model_lookups, token_attribution
 from cde.steerling.loading import load_model
 from cde.steerling.model import dense_block_causal_attend
-from cde.steerling.reference_decoder import DecodeOptions
+from cde.options import DecodeOptions
 from cde.steerling.sampling import SamplingParams
 from cde.limits import default_inject_layer
 from cde.steerling.steering import AMPLIFY_TARGET, DEFAULT_CUTOFF, SteeringSpec, prepare
 from train import steerling_data
 from train.steerling_objective import LossWeights, noisy_clean_mask, training_loss
 from train.train_steerling import to_batch
+from worker_svc.engine.job import Job
 from worker_svc.engine.steerling_engine import BlockEvent, FinishEvent, SteerlingEngine
 
 
@@ -120,7 +121,7 @@ def run_engine(model, requests: list[tuple[str, list[int], DecodeOptions, object
     while pending or eng.has_work():
         while pending and len(handles) < max_slots:
             rid, prompt, opts, steer = pending.pop(0)
-            handles[rid] = eng.submit(rid, prompt, opts, steer)
+            handles[rid] = eng.submit(Job(rid, prompt, opts, steering=steer))
             out[rid] = {"blocks": [], "steps": 0}
         eng.step()
         for rid, h in list(handles.items()):
@@ -145,7 +146,8 @@ def steering_lift(model, data, prompts: list[str], concepts: list[int], new_toke
     reqs = []
     for p_i, prompt in enumerate(prompts):
         ids = data.chat_prompt(prompt)
-        opts = DecodeOptions(new_tokens, SamplingParams(), seed=seed + p_i, stop_ids=())
+        opts = DecodeOptions(new_tokens, SamplingParams(), tokens_per_step=1, confidence_threshold=None,
+                             seed=seed + p_i, stop_ids=())
         reqs.append((f"d{p_i}", ids, opts, None))
         for c in concepts:
             reqs.append((f"s{p_i}-{c}", ids, opts, amplify(model, c)))
@@ -331,7 +333,8 @@ def multi_token(model, data, prompts: list[str], judge, new_tokens: int, seed: i
     rows = []
     for k, thr in settings:
         reqs = [(f"m{i}", data.chat_prompt(p), DecodeOptions(new_tokens, SamplingParams(), tokens_per_step=k,
-                                                            confidence_threshold=thr, seed=seed + i), None)
+                                                            confidence_threshold=thr, seed=seed + i, stop_ids=()),
+                 None)
                 for i, p in enumerate(prompts)]
         res = run_engine(model, reqs, data.tokenizer_vocab)
         outs = [r["output"] for r in res.values()]

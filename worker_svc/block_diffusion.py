@@ -25,7 +25,8 @@ from cde.steerling.steering import PreparedSteering
 from worker_svc.engine.events import BlockEvent, FinishEvent, StepEvent
 from worker_svc.engine.runtime import EngineStats
 from worker_svc.engine.steerling_engine import SteerlingEngine
-from worker_svc.family import EventTranslator, Job
+from worker_svc.engine.job import Job
+from worker_svc.family import EventTranslator
 from worker_svc.request_options import block_diffusion_options
 from worker_svc.validation import BadRequest, check_inject_layer, checked_prompt
 
@@ -130,7 +131,7 @@ class BlockDiffusionFamily:
 
     def __init__(self, engine: SteerlingEngine, token_limit: int, model_name: str):
         self.engine = engine
-        self.cfg = engine.cfg
+        self.cfg = engine.strategy.cfg
         self.token_limit = token_limit
         self.model_name = model_name
 
@@ -141,7 +142,7 @@ class BlockDiffusionFamily:
         return already_finished(job, self.cfg)
 
     def translator(self, job: Job) -> EventTranslator:
-        engine = self.engine
+        strategy = self.engine.strategy
 
         def translate(ev) -> list[worker_pb2.WorkerEvent]:
             if isinstance(ev, StepEvent):   # only a request with stream_steps gets them (Job.stream_steps)
@@ -150,7 +151,7 @@ class BlockDiffusionFamily:
             if isinstance(ev, BlockEvent):
                 return [worker_pb2.WorkerEvent(block=common_pb2.BlockCommitted(
                     block_index=ev.block, start=ev.start, tokens=ev.tokens, next_step=ev.next_step, last=ev.last,
-                    records=raw_records(ev.records, engine.topk_known, engine.topk_discovered)))]
+                    records=raw_records(ev.records, strategy.topk_known, strategy.topk_discovered)))]
             if isinstance(ev, FinishEvent):
                 return [worker_pb2.WorkerEvent(finished=common_pb2.Finished(
                     reason=finish_reason_value(ev.reason), usage=usage(ev.prompt_tokens, ev.completion_tokens, ev.steps),

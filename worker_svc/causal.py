@@ -29,7 +29,8 @@ from cde.rpc.v1 import common_pb2, worker_pb2
 from worker_svc.engine.events import IsdCommitEvent, IsdFinishEvent
 from worker_svc.engine.isd_engine import IsdEngine
 from worker_svc.engine.runtime import EngineStats
-from worker_svc.family import EventTranslator, Job
+from worker_svc.engine.job import Job
+from worker_svc.family import EventTranslator
 from worker_svc.request_options import isd_options
 from worker_svc.validation import BadRequest, checked_prompt
 
@@ -134,7 +135,7 @@ class CausalFamily:
 
     def parse(self, request: worker_pb2.WorkerSubmit) -> Job:
         e = self.engine
-        return parse_causal_submit(request, e.cfg, self.token_limit, e.max_stride, e.kv.pool.usable)
+        return parse_causal_submit(request, e.strategy.cfg, self.token_limit, e.strategy.max_stride, e.kv.pool.usable)
 
     def already_finished(self, job: Job) -> common_pb2.Finished | None:
         writer = ChunkWriter(job)
@@ -165,7 +166,7 @@ class CausalFamily:
         return translate
 
     def status(self, stats: EngineStats, model_name: str, dtype: str, device: str) -> worker_pb2.WorkerStatus:
-        cfg: Qwen3Config = self.engine.cfg
+        cfg: Qwen3Config = self.engine.strategy.cfg
         return worker_pb2.WorkerStatus(
             model=model_name, preset=causal_preset_name(cfg), dtype=dtype, device=device,
             kv_pages_total=stats.pages_total, kv_pages_free=stats.pages_free, running=stats.running,

@@ -6,26 +6,11 @@ causal.py (ISD) implement it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from cde.rpc.v1 import common_pb2, worker_pb2
+from worker_svc.engine.job import Job
 from worker_svc.engine.runtime import EngineRuntime, EngineStats
-
-
-@dataclass(frozen=True)
-class Job:
-    """A validated WorkerSubmit in engine types."""
-
-    request_id: str
-    prompt: list[int]
-    options: Any                  # DecodeOptions (block diffusion) | IsdOptions (causal)
-    committed: list[int]
-    next_step: int
-    stream_steps: bool = False    # one StepEvent per step / forward
-    records: bool = True          # raw concept records with each block (block diffusion; for attributions)
-    steering: Any = None          # PreparedSteering (block diffusion only)
-    stop_ids: frozenset[int] = frozenset()   # causal: the model's EOS ids and the request's stop ids
 
 
 EventTranslator = Callable[[object], list[worker_pb2.WorkerEvent]]   # one engine event -> what to send

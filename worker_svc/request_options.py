@@ -7,12 +7,11 @@ engine's buckets, its --max-stride, its vocabulary, and the fields of its family
 from __future__ import annotations
 
 from cde import limits as L
+from cde.options import DecodeOptions, IsdOptions
 from cde.rpc.v1 import resolved_pb2, worker_pb2
 from cde.steerling.config import SteerlingConfig
-from cde.steerling.reference_decoder import DecodeOptions
 from cde.steerling.sampling import SamplingParams
-from worker_svc.engine.isd_engine import IsdOptions
-from worker_svc.engine.steerling_engine import TOKENS_PER_STEP_BUCKETS
+from worker_svc.engine.steerling_graphs import TOKENS_PER_STEP_BUCKETS
 from worker_svc.validation import BadRequest, check_stop_ids, checked_options, signed_seed
 
 _ADAPTER_GATED = {resolved_pb2.ISD_ADAPTER_GATED: True, resolved_pb2.ISD_ADAPTER_UNGATED: False}
@@ -60,5 +59,5 @@ def isd_options(req: worker_pb2.WorkerSubmit, max_stride: int, token_limit: int)
         temperature, top_p = 0.0, 1.0
     check_stop_ids(list(o.stop_ids), token_limit)
     return IsdOptions(max_new_tokens=o.max_new_tokens, stride=stride, temperature=float(temperature),
-                      top_k=sp.top_k, top_p=float(top_p), seed=signed_seed(o.seed),
+                      top_k=sp.top_k, top_p=float(top_p), seed=signed_seed(o.seed), proposal="sample",
                       lora_gated=_ADAPTER_GATED[o.isd.adapter], stop_ids=tuple(o.stop_ids))

@@ -85,8 +85,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.front.error is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine failed: {self.front.error!r}")
         translate = self.family.translator(job)
-        stream = self.front.generate(job.request_id, job.prompt, job.options, job.steering, job.committed,
-                                     job.next_step, job.stream_steps, job.records)
+        stream = self.front.generate(job)
         # aclosing: leaving early for any reason (cancel, deadline, error) cancels the request.
         async with contextlib.aclosing(stream):
             try:

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from cde.options import PROPOSALS
 from cde.isd.verify import onehot_logits, verify_torch
 from cde.qwen3.model import Qwen3Model, masked_attend
 from cde.steerling.sampling import counter_uniform
@@ -72,7 +73,6 @@ STREAM_ACCEPT = 0x12 << 24
 STREAM_RESID = 0x13 << 24
 STREAM_PROPOSAL = 0x14 << 24
 
-PROPOSALS = ("sample", "argmax_onehot", "argmax")
 
 VerifyFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 

@@ -17,7 +17,9 @@ from cde.steerling import attribution as attr
 from cde.steerling.catalog import ConceptCatalog
 from cde.steerling.config import SteerlingConfig
 from cde.steerling.loading import load_model
-from cde.steerling.reference_decoder import DecodeOptions, generate
+from cde.options import DecodeOptions
+from cde.steerling.reference_decoder import generate
+from cde.steerling.sampling import SamplingParams
 from cde.steerling.steering import SteeringSpec, prepare
 from cde.steerling.tokenizer import load_model_tokenizer
 
@@ -58,7 +60,9 @@ def main() -> None:
                            model.transformer.lm_head.weight, cfg.n_layers)
 
     prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-    res = generate(model, prompt, DecodeOptions(args.max_tokens, seed=args.seed), steering,
+    options = DecodeOptions(args.max_tokens, SamplingParams(), tokens_per_step=1, confidence_threshold=None,
+                            seed=args.seed, stop_ids=())
+    res = generate(model, prompt, options, steering,
                    tokenizer_vocab_size=tok.vocab_size)
     print(f"text ({len(res.output_tokens)} tokens, finish={res.finish_reason}):")
     print(repr(tok.decode(res.output_tokens)))

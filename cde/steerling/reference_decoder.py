@@ -25,29 +25,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from cde.options import DecodeOptions
 from cde.steerling.attribution import RawRecords
 from cde.steerling.model import KnownIntervention, SteeringInputs, SteerlingModel, dense_block_causal_attend
-from cde.steerling.sampling import (SamplingParams, adjust_logits, banned_ids, choose_tokens, confidence,
+from cde.steerling.sampling import (adjust_logits, banned_ids, choose_tokens, confidence,
                                     counter_uniform, most_confident)
 from cde.steerling.steering import PreparedSteering, resolve_alpha
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    tokens_per_step: int = 1
-    confidence_threshold: float | None = None
-    seed: int = 0
-    stop_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise ValueError("max_new_tokens must be positive")
-        if self.tokens_per_step <= 0:
-            raise ValueError("tokens_per_step must be positive")
-        if self.confidence_threshold is not None and not 0.0 < self.confidence_threshold <= 1.0:
-            raise ValueError("confidence_threshold must be in (0, 1]")
 
 
 @dataclass

@@ -13,9 +13,8 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 
-from typing import Any
-
 from worker_svc.engine.events import Event, FinishEvent
+from worker_svc.engine.job import Job
 from worker_svc.engine.request_table import TrackedRequest
 from worker_svc.engine.runtime import EngineRuntime, EngineStats
 
@@ -47,18 +46,14 @@ class AsyncEngine:
             self._wake.notify_all()
         return ok
 
-    async def generate(self, request_id: str, prompt: list[int], options: Any, steering: Any = None,
-                       committed: list[int] | None = None, next_step: int = 0,
-                       stream_steps: bool = True, records: bool = True) -> AsyncIterator[Event]:
-        """Submit and stream the request's events, ending with its FinishEvent. `options` (and
-        `steering`) are the engine's own: DecodeOptions / PreparedSteering for SteerlingEngine,
-        IsdOptions (no steering) for IsdEngine."""
+    async def generate(self, job: Job) -> AsyncIterator[Event]:
+        """Submit the job and stream its events, ending with its FinishEvent."""
         if self.error is not None:
             raise RuntimeError(f"engine failed: {self.error!r}")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        req = self.engine.submit(request_id, prompt, options, steering, committed, next_step, stream_steps, records)
-        self._streams[request_id] = (req, queue, loop)
+        req = self.engine.submit(job)
+        self._streams[job.request_id] = (req, queue, loop)
         with self._wake:
             self._wake.notify_all()
         finished = False
@@ -72,9 +67,9 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(job.request_id, None)
             if not finished:
-                self.cancel(request_id)
+                self.cancel(job.request_id)
 
     # ---- the step thread -----------------------------------------------------------------------
     def _run(self) -> None:

@@ -81,16 +81,19 @@ import torch
 from torch import Tensor
 
 from cde.blocks import PAGE, pages_for
-from cde.isd.decoder import PROPOSALS, DecodeStats, cut_at_stop
+from cde.isd.decoder import DecodeStats, cut_at_stop
+from cde.options import IsdOptions
 from cde.qwen3.model import Qwen3Model
 from worker_svc.engine.events import FinishEvent, IsdCommitEvent, IsdFinishEvent
 from worker_svc.engine.isd_runner import PROPOSAL_CODES, IsdInputs, IsdRunner, VerifyFn
 from worker_svc.engine.kv_cache import KVCache
+from worker_svc.engine.job import Job
 from worker_svc.engine.layouts import IsdResultLayout
-from worker_svc.engine.request_table import TrackedRequest
-from worker_svc.engine.runtime import ROW_BUCKETS, EngineRuntime, LaunchedStep, bucket, to_device
+from worker_svc.engine.request_table import RequestTable, TrackedRequest
+from worker_svc.engine.runtime import (ROW_BUCKETS, DecodeStrategy, EngineRuntime, LaunchedStep, StepPlan, bucket,
+                                       to_device)
 
-__all__ = ["IsdCommitEvent", "IsdEngine", "IsdFinishEvent", "IsdOptions", "IsdRequest", "RowKind"]
+__all__ = ["IsdCommitEvent", "IsdEngine", "IsdFinishEvent", "IsdRequest", "IsdStrategy", "RowKind"]
 
 Q_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -105,40 +108,6 @@ class RowKind(StrEnum):
 
 
 PREFILL, FIRST, COLD, VERIFY, OVERLAPPED = RowKind
-
-
-# ---- options -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class IsdOptions:
-    """Per-request decoding options (the reference decoder's arguments)."""
-
-    max_new_tokens: int = 64
-    stride: int = 1              # N: 1 = plain AR, >= 2 = ISD with N - 1 drafts per step
-    temperature: float = 0.0     # 0 = greedy
-    top_k: int = 0               # 0 = off
-    top_p: float = 1.0           # 1 = off
-    seed: int = 0
-    proposal: str = "sample"     # "sample" | "argmax_onehot" | "argmax" (see cde/isd/decoder.py)
-    lora_gated: bool = True      # R-ISD: an attached LoRA only at [MASK] positions (False: everywhere)
-    stop_ids: tuple[int, ...] = ()  # ids that end the request like the model's EOS (kept in the output)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
-        if self.max_new_tokens <= 0:
-            raise ValueError("max_new_tokens must be positive")
-        if self.stride < 1:
-            raise ValueError("stride must be >= 1")
-        if self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
-            raise ValueError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
-        if self.proposal not in PROPOSALS:
-            raise ValueError(f"proposal must be one of {PROPOSALS}, got {self.proposal!r}")
-        if not -(1 << 63) <= self.seed < (1 << 63):
-            raise ValueError("seed must fit in int64")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 # ---- host-side request state ----------------------------------------------------------------
@@ -228,13 +197,25 @@ def _columns(rows: list[NamedTuple], pad: NamedTuple, n_rows: int, dtypes: dict)
     return {name: np.array(col, dtype=dtypes[name]) for name, col in zip(pad._fields, zip(*rows))}
 
 
-class IsdEngine(EngineRuntime):
-    def __init__(self, model: Qwen3Model, *, max_slots: int = 64, n_pages: int | None = None, max_stride: int = 8,
-                 prefill_chunk: int = 64, max_prefill_rows: int = 32, prefill_rows_alone: int = 64,
-                 kv_fraction: float = 0.85,
-                 verify_fn: VerifyFn | None = None, cuda_graphs: bool = False, compile: bool = False,
-                 overlap: bool = True, tokenizer_vocab_size: int | None = None,
-                 never_output_ids: tuple[int, ...] = ()):
+def isd_kv_cache(cfg, dtype: torch.dtype, device: torch.device, n_pages: int | None, fraction: float,
+                 max_slots: int, max_stride: int) -> KVCache:
+    """The ISD engine's KV cache: `n_pages` (CPU: 256 by default), on a GPU at most what fits in
+    `fraction` of the free memory beside the q-table of the drafts' proposal distributions."""
+    per_page = KVCache.bytes_per_page(cfg.n_layers, cfg.n_kv_heads, PAGE, cfg.head_dim, dtype)
+    if device.type == "cuda":
+        q_table = (max_slots + 1) * max(max_stride - 1, 0) * cfg.vocab_size * 4
+        free, _ = torch.cuda.mem_get_info(device)
+        n = int((free * fraction - q_table) // per_page)
+        n = min(n, n_pages) if n_pages is not None else n
+    else:
+        n = n_pages or 256
+    return KVCache(cfg.n_layers, max(n, 2), cfg.n_kv_heads, PAGE, cfg.head_dim, dtype, device)
+
+
+class IsdStrategy(DecodeStrategy):
+    def __init__(self, model: Qwen3Model, kv: KVCache, *, max_slots: int, max_stride: int, prefill_chunk: int,
+                 max_prefill_rows: int, prefill_rows_alone: int, verify_fn: VerifyFn | None, cuda_graphs: bool,
+                 compile: bool, tokenizer_vocab_size: int | None, never_output_ids: tuple[int, ...]):
         if model.cfg.mask_token_id is None and max_stride > 1:
             raise ValueError("ISD (stride > 1) needs a model config with mask_token_id")
         if prefill_chunk not in Q_BUCKETS:
@@ -243,9 +224,9 @@ class IsdEngine(EngineRuntime):
         model.fuse_projections()   # 4 GEMMs per layer instead of 7 (cde/qwen3/model.py)
         self.cfg = model.cfg
         p = next(model.parameters())
+        super().__init__(p.device)
         self.dtype = p.dtype
-        super().__init__(self._make_kv(p.device, n_pages, kv_fraction, max_slots, max_stride), p.device,
-                         max_slots=max_slots, overlap=overlap)
+        self.kv = kv
         self.max_stride = max_stride
         self.runner = IsdRunner(model, self.kv, max_slots + 1, max(max_stride - 1, 0), verify_fn,
                                 max_rows=bucket(max(max_slots + max(max_prefill_rows, 1), prefill_rows_alone),
@@ -264,10 +245,12 @@ class IsdEngine(EngineRuntime):
         self._eos = frozenset(self.cfg.eos_token_ids)
         self._admissions = itertools.count()
         # Overlapped steps derive their windows on the device (isd_runner.advance).
-        self._device_step = self.runner.step
-        self._accelerate(compile, cuda_graphs)
-        if self._graphs is not None:   # replay the device step per input-shape bucket
-            self._device_step = self._graph_step
+        self.device_step = self.runner.step
+        if compile:
+            self._compile()
+        if cuda_graphs:   # replay the device step per input-shape bucket
+            self.enable_graphs()
+            self.device_step = self._graph_step
 
     def _compile(self) -> None:
         """Regional compilation of the layers' pointwise parts (cde/qwen3/kernels.py) and of the
@@ -278,21 +261,8 @@ class IsdEngine(EngineRuntime):
         from cde.qwen3 import kernels
         from worker_svc.engine.isd_runner import SAMPLER_FUNCTIONS
 
-        self.model.use_kernels(kernels.compiled(self._counting_backend))
-        self.runner.kernels = regional.compiled(SAMPLER_FUNCTIONS, self._counting_backend)
-
-    def _make_kv(self, device: torch.device, n_pages: int | None, fraction: float, max_slots: int,
-                 max_stride: int) -> KVCache:
-        cfg = self.cfg
-        per_page = KVCache.bytes_per_page(cfg.n_layers, cfg.n_kv_heads, PAGE, cfg.head_dim, self.dtype)
-        if device.type == "cuda":
-            q_table = (max_slots + 1) * max(max_stride - 1, 0) * cfg.vocab_size * 4
-            free, _ = torch.cuda.mem_get_info(device)
-            n = int((free * fraction - q_table) // per_page)
-            n = min(n, n_pages) if n_pages is not None else n
-        else:
-            n = n_pages or 256
-        return KVCache(cfg.n_layers, max(n, 2), cfg.n_kv_heads, PAGE, cfg.head_dim, self.dtype, device)
+        self.model.use_kernels(kernels.compiled(self.counting_backend))
+        self.runner.kernels = regional.compiled(SAMPLER_FUNCTIONS, self.counting_backend)
 
     def _graph_step(self, inp: IsdInputs, window: int, filtered: bool = True, sampling: bool = True,
                     overlapped: bool = False) -> Tensor:
@@ -313,18 +283,19 @@ class IsdEngine(EngineRuntime):
                 runner.carry.copy_(saved_carry)
             return restore
 
-        return self._graphs.run(key, (inp,), lambda i: runner.step(i, window, filtered, sampling, overlapped),
+        return self.graphs.run(key, (inp,), lambda i: runner.step(i, window, filtered, sampling, overlapped),
                                 lambda: (IsdInputs(**{f.name: getattr(inp, f.name).clone() for f in fields(IsdInputs)}),),
                                 keep_state)
 
-    # ---- public API -----------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: list[int], options: IsdOptions, steering=None,
-               committed: list[int] | None = None, next_step: int = 0, stream_steps: bool = True,
-               records: bool = True) -> IsdRequest:
-        """Queue a request. ``committed`` (tokens already generated elsewhere) and ``next_step`` (the
-        logical forward count of the IsdCommitEvent they end at) resume it; exact when that event
-        was ``resumable``. ``stream_steps`` and ``records`` change nothing here: every IsdCommitEvent
+    # ---- requests and the table's hooks --------------------------------------------------------
+    def new_request(self, job: Job) -> IsdRequest:
+        """`job.committed` (tokens already generated elsewhere) and `job.next_step` (the logical
+        forward count of the IsdCommitEvent they end at) resume a request; exact when that event
+        was ``resumable``. `stream_steps` and `records` change nothing here: every IsdCommitEvent
         carries tokens, and a causal model has no concept records."""
+        prompt, options, steering = job.prompt, job.options, job.steering
+        if not isinstance(options, IsdOptions):
+            raise ValueError("the ISD engine takes IsdOptions")
         if steering is not None:
             raise ValueError("steering is not supported by the ISD engine")
         if not prompt:
@@ -337,73 +308,49 @@ class IsdEngine(EngineRuntime):
         if len(prompt) + options.max_new_tokens > self.cfg.max_positions:
             raise ValueError(f"prompt + max_new_tokens = {len(prompt) + options.max_new_tokens} exceeds the "
                              f"context of {self.cfg.max_positions}")
-        committed = list(committed or [])
+        committed = list(job.committed)
         if any(not 0 <= t < v for t in committed):
             raise ValueError(f"committed token ids must lie in [0, {v})")
         stops = self._eos | frozenset(options.stop_ids)
         if committed and cut_at_stop(committed, stops, options.max_new_tokens)[1] is not None:
             raise ValueError("committed tokens already end the request")
-        req = IsdRequest(request_id=request_id, prompt=list(prompt), options=options, stops=stops, out=committed)
+        req = IsdRequest(request_id=job.request_id, prompt=list(prompt), options=options, stops=stops, out=committed)
         if committed:
-            req.stats.forwards = next_step
-        return self._queue(req)
+            req.stats.forwards = job.next_step
+        return req
 
-    def warmup(self, max_rows: int = 4, max_new_tokens: int = 8, strides: tuple[int, ...] | None = None) -> None:
-        """Run throwaway requests through the shapes traffic will use (one and several rows,
-        prefill chunks, AR and ISD windows, greedy and sampled), before the worker serves."""
-        strides = strides or tuple(sorted({1, min(4, self.max_stride)}))
-        v = self.cfg.vocab_size
-        # each stride alone (AR-only steps have one query: compiled code specializes sizes 1)
-        # and all mixed, at one row and several
-        for n_rows in sorted({1, min(2, max_rows), max_rows}):
-            for group in [(n,) for n in strides] + [strides]:
-                self._run_throwaway([
-                    (f"__warmup_{n_rows}_{n}_{i}_{len(group)}", [i % v] * (PAGE * (i % 2) + 3),
-                     IsdOptions(max_new_tokens=max_new_tokens, stride=n, temperature=0.0 if i % 2 else 0.7,
-                                top_k=0 if i % 2 else 8, seed=i))
-                    for i in range(n_rows) for n in group])
-        self.freeze_heap()
-
-    # ---- the request table's hooks ------------------------------------------------------------
-    def _admission_refusal(self, req: IsdRequest) -> str | None:
+    def admission_refusal(self, req: IsdRequest, idle: bool) -> str | None:
         worst = pages_for(req.max_extent())
         if worst > self.kv.pool.usable:
             return f"request needs up to {worst} KV pages; the pool has {self.kv.pool.usable}"
         return None
 
-    def _pages_to_admit(self, req: IsdRequest) -> int:
+    def pages_to_admit(self, req: IsdRequest) -> int:
         return min(pages_for(req.kv_target + 2 * req.stride - 1), pages_for(req.max_extent()))
 
-    def _admission_stamp(self) -> int:
+    def admission_stamp(self) -> int:
         return next(self._admissions)
 
-    def _on_admit(self, req: IsdRequest) -> None:
+    def on_admit(self, req: IsdRequest) -> None:
         if req.saved_q is not None:
             self.runner.q_table[req.slot, : req.stride - 1] = req.saved_q
             req.saved_q = None
 
-    def _on_preempt(self, req: IsdRequest) -> None:
+    def on_preempt(self, req: IsdRequest) -> None:
         if req.specs is not None and req.stride > 1:
             req.saved_q = self.runner.q_table[req.slot, : req.stride - 1].clone()
 
-    def _finish_event(self, req: IsdRequest, reason: str, error: str) -> FinishEvent:
+    def finish_event(self, req: IsdRequest, reason: str, error: str) -> FinishEvent:
         cut, _ = cut_at_stop(req.out, req.stops, req.options.max_new_tokens)
         req.stats.generated = len(cut)
         return IsdFinishEvent(req.request_id, reason, list(cut), len(req.prompt), len(cut), req.stats.forwards,
                               error, stats=req.stats, device_forwards=req.device_forwards,
                               preemptions=req.preemptions)
 
-    def _preempt(self, victim: IsdRequest) -> None:
-        self.table.preempt(victim)
-
-    def _ensure_pages(self, req: IsdRequest, n_pages: int) -> bool:
-        """Give req pages 0..n_pages-1, preempting the most recently admitted request (maybe req
-        itself: then False) while the pool is empty."""
-        return self.table.ensure_pages(req, n_pages, may_preempt_itself=True)
-
-    def _plan(self) -> list[_Row]:
+    # ---- one step ------------------------------------------------------------------------------
+    def plan(self, table: RequestTable) -> StepPlan[_Row] | None:
         rows: list[_Row] = []
-        running = list(self.table.running)
+        running = list(table.running)
         decoding = any(r.running and r.out and r.kv_len == r.kv_target for r in running)
         budget = self.max_prefill_rows if decoding else self.prefill_rows_alone
         for req in running:
@@ -421,21 +368,23 @@ class IsdEngine(EngineRuntime):
                 own.append(_Row(req, kind, target, length))
             if not own:
                 continue
-            if not self._ensure_pages(req, pages_for(max(r.start + r.length for r in own))):
+            # pages 0..n-1, preempting the most recently admitted request (maybe req itself) while none is free
+            if not table.ensure_pages(req, pages_for(max(r.start + r.length for r in own)), may_preempt_itself=True):
                 continue
             rows += own
-        return [r for r in rows if r.req.running]
+        rows = [r for r in rows if r.req.running]
+        return StepPlan(rows) if rows else None
 
-    # ---- one step (EngineRuntime.step runs them) -----------------------------------------------
-    def _rows_ahead(self, rows: list[_Row | None]) -> list[_Row] | None:
-        """The next step's rows if it can be launched before `rows`' results are applied, else
+    def plan_ahead(self, table: RequestTable, inflight: StepPlan[_Row | None]) -> StepPlan[_Row] | None:
+        """The next step's rows if it can be launched before inflight's results are applied, else
         None. Only when it is sure to be the same requests' decode windows: nobody waiting (no
         admission), every running request has exactly its decode row here, none cancelled,
         none sure to end with this step (max_new_tokens), and pages for the next window
         whatever this step accepts (up to N tokens further, 2N - 1 long) are free without
         preempting. A stop token can still end a request: its row in the next step is computed
         and dropped. Allocates those pages."""
-        if self.table.waiting or len(rows) != len(self.table.running):
+        rows = inflight.rows
+        if table.waiting or len(rows) != len(table.running):
             return None
         wanted = []   # pages each request needs for its worst-case next window
         for row in rows:
@@ -448,13 +397,14 @@ class IsdEngine(EngineRuntime):
         if sum(max(n - len(row.req.pages), 0) for row, n in zip(rows, wanted)) > self.kv.pool.free:
             return None
         for row, n in zip(rows, wanted):   # enough pages are free: never preempts
-            self._ensure_pages(row.req, n)
-        return [_Row(row.req, OVERLAPPED, row.start, 2 * row.req.stride - 1) for row in rows]
+            table.ensure_pages(row.req, n, may_preempt_itself=True)
+        return StepPlan([_Row(row.req, OVERLAPPED, row.start, 2 * row.req.stride - 1) for row in rows],
+                        overlapped=True)
 
-    def _resolve_ahead(self, launched: LaunchedStep) -> None:
-        """The step before `launched` is applied: its OVERLAPPED rows become the windows the
-        device derived, None for requests that ended meanwhile (their results are dropped)."""
-        launched.rows = [self._resolve(row) for row in launched.rows]
+    def resolve_ahead(self, plan: StepPlan[_Row]) -> StepPlan[_Row | None]:
+        """The step before `plan` is applied: its OVERLAPPED rows become the windows the device
+        derived, None for requests that ended meanwhile (their results are dropped)."""
+        return StepPlan([self._resolve(row) for row in plan.rows], overlapped=True)
 
     def _resolve(self, row: _Row) -> _Row | None:
         """An OVERLAPPED row, once the step before it is applied: the window the device derived
@@ -467,7 +417,7 @@ class IsdEngine(EngineRuntime):
         assert req.kv_len == req.kv_target, "an overlapped row must continue a decode window"
         return _Row(req, kind, req.kv_target, length)
 
-    def _host_inputs(self, rows: list[_Row]) -> tuple[IsdInputs, int]:
+    def host_inputs(self, rows: list[_Row]) -> tuple[IsdInputs, int]:
         """The step's inputs as numpy arrays (IsdInputs fields) and its K (the most drafts a row
         proposes). One Python pass collects
         each row's padded token / page / draft lists and its scalars; the arrays are then built
@@ -527,21 +477,22 @@ class IsdEngine(EngineRuntime):
                         **_columns(sampling, _NO_SAMPLING, rb, _SAMPLING_DTYPES))
         return inp, n_drafts
 
-    def _launch(self, rows: list[_Row], overlapped: bool = False) -> LaunchedStep:
+    def execute(self, plan: StepPlan[_Row]) -> LaunchedStep:
         """Build the step's inputs, run it on the device and start the copy of its results."""
-        host, n_drafts = self._host_inputs(rows)
+        rows = plan.rows
+        host, n_drafts = self.host_inputs(rows)
         inp = to_device(host, self.device)
         # host-known flags (graph bucket): work only sampled rows need; greedy rows never filter
         sampled = [r.req.options for r in rows if r.kind != PREFILL and not r.req.options.greedy]
         filtered = any(o.top_k > 0 or o.top_p < 1 for o in sampled)
-        packed = self._device_step(inp, 2 * n_drafts + 1, filtered, bool(sampled), overlapped)
+        packed = self.device_step(inp, 2 * n_drafts + 1, filtered, bool(sampled), plan.overlapped)
         self.forwards += 1
-        return LaunchedStep(rows, IsdResultLayout(n_drafts), *self._pinned.start_copy(packed[:len(rows)]))
+        return LaunchedStep(plan, IsdResultLayout(n_drafts), *self.pinned.start_copy(packed[:len(rows)]))
 
-    def _apply_step(self, launched: LaunchedStep) -> None:
-        self._apply(launched.rows, launched.results(), launched.layout)
+    def update(self, table: RequestTable, step: LaunchedStep) -> None:
+        self.apply(table, step.rows, step.results(), step.layout)
 
-    def _apply(self, rows: list[_Row | None], packed: Tensor, layout: IsdResultLayout) -> None:
+    def apply(self, table: RequestTable, rows: list[_Row | None], packed: Tensor, layout: IsdResultLayout) -> None:
         res = packed.tolist()
         at_clean, at_accepted, at_correction = layout.CLEAN, layout.n_accepted, layout.correction
         touched: set[IsdRequest] = set()   # identity hash (eq=False)
@@ -598,4 +549,39 @@ class IsdEngine(EngineRuntime):
                 req.events.append(IsdCommitEvent(req.request_id, st.forwards, before, new, proposed, accepted,
                                                  req.specs is None, rejected))
             if reason is not None:
-                self.table.finish(req, reason)
+                table.finish(req, reason)
+
+
+class IsdEngine(EngineRuntime):
+    """The ISD strategy on the runtime, with its own request table and KV cache; adds warm-up."""
+
+    def __init__(self, model: Qwen3Model, *, max_slots: int = 64, n_pages: int | None = None, max_stride: int = 8,
+                 prefill_chunk: int = 64, max_prefill_rows: int = 32, prefill_rows_alone: int = 64,
+                 kv_fraction: float = 0.85,
+                 verify_fn: VerifyFn | None = None, cuda_graphs: bool = False, compile: bool = False,
+                 overlap: bool = True, tokenizer_vocab_size: int | None = None,
+                 never_output_ids: tuple[int, ...] = ()):
+        p = next(model.parameters())
+        kv = isd_kv_cache(model.cfg, p.dtype, p.device, n_pages, kv_fraction, max_slots, max_stride)
+        strategy = IsdStrategy(model, kv, max_slots=max_slots, max_stride=max_stride, prefill_chunk=prefill_chunk,
+                               max_prefill_rows=max_prefill_rows, prefill_rows_alone=prefill_rows_alone,
+                               verify_fn=verify_fn, cuda_graphs=cuda_graphs, compile=compile,
+                               tokenizer_vocab_size=tokenizer_vocab_size, never_output_ids=never_output_ids)
+        super().__init__(strategy, RequestTable(kv.pool, max_slots, strategy), kv, overlap=overlap)
+
+    def warmup(self, max_rows: int = 4, max_new_tokens: int = 8, strides: tuple[int, ...] | None = None) -> None:
+        """Run throwaway requests through the shapes traffic will use (one and several rows,
+        prefill chunks, AR and ISD windows, greedy and sampled), before the worker serves."""
+        strides = strides or tuple(sorted({1, min(4, self.strategy.max_stride)}))
+        v = self.strategy.cfg.vocab_size
+        # each stride alone (AR-only steps have one query: compiled code specializes sizes 1)
+        # and all mixed, at one row and several
+        for n_rows in sorted({1, min(2, max_rows), max_rows}):
+            for group in [(n,) for n in strides] + [strides]:
+                self.run_throwaway([
+                    Job(f"__warmup_{n_rows}_{n}_{i}_{len(group)}", [i % v] * (PAGE * (i % 2) + 3),
+                        IsdOptions(max_new_tokens=max_new_tokens, stride=n, temperature=0.0 if i % 2 else 0.7,
+                                   top_k=0 if i % 2 else 8, top_p=1.0, seed=i, proposal="sample", lora_gated=True,
+                                   stop_ids=()))
+                    for i in range(n_rows) for n in group])
+        self.freeze_heap()

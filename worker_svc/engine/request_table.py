@@ -3,8 +3,8 @@ request's life through them (admit, preempt, release, finish), plus the page all
 preempts when the pool runs dry.
 
 What differs between the decoders (how many pages admission needs, what a slot holds on the
-device, what a finished request reports) comes from the engine through the hooks of
-`runtime.DecodeStrategy`; the bookkeeping here is the same for both.
+device, what a finished request reports) comes from the strategy through `RequestHooks`; the
+bookkeeping here is the same for both. The hooks never call back into the table.
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from worker_svc.engine.events import FinishEvent
 from worker_svc.engine.kv_cache import PagePool
-
-if TYPE_CHECKING:
-    from worker_svc.engine.runtime import DecodeStrategy
 
 
 class RequestStatus(Enum):
@@ -55,10 +53,33 @@ class TrackedRequest:
         raise NotImplementedError
 
 
+class RequestHooks(Protocol):
+    """What a decoder decides in a request's life through the table (its `DecodeStrategy`)."""
+
+    def admission_refusal(self, req: TrackedRequest, idle: bool) -> str | None:
+        """Why the request can never be admitted (it then finishes with an error), else None.
+        idle: no request is running."""
+
+    def pages_to_admit(self, req: TrackedRequest) -> int:
+        """Pages the request is given when it is admitted (it waits until that many are free)."""
+
+    def admission_stamp(self) -> int:
+        """`admitted_at` of a request admitted now (preemption picks the largest)."""
+
+    def on_admit(self, req: TrackedRequest) -> None:
+        """The request just got a slot and its pages: set up its device-side state."""
+
+    def on_preempt(self, req: TrackedRequest) -> None:
+        """The request is about to lose its slot and pages: keep what it needs back."""
+
+    def finish_event(self, req: TrackedRequest, reason: str, error: str) -> FinishEvent:
+        """The event a finishing request reports."""
+
+
 class RequestTable:
-    def __init__(self, pool: PagePool, max_slots: int, strategy: DecodeStrategy):
+    def __init__(self, pool: PagePool, max_slots: int, hooks: RequestHooks):
         self.pool = pool
-        self.strategy = strategy
+        self.hooks = hooks
         self.requests: dict[str, TrackedRequest] = {}
         self.waiting: deque[TrackedRequest] = deque()
         self.running: list[TrackedRequest] = []
@@ -76,31 +97,33 @@ class RequestTable:
 
     def admit(self) -> None:
         """Admit waiting requests in order while a slot is free and the pool has the pages the
-        strategy asks for; one that can never fit finishes with an error."""
-        s = self.strategy
+        hooks ask for (it is given them); one that can never fit finishes with an error."""
+        s = self.hooks
         while self.waiting and self._free_slots:
             req = self.waiting[0]
             if req.cancel_requested:
                 self.waiting.popleft()
                 self.finish(req, "cancelled")
                 continue
-            refusal = s._admission_refusal(req)
+            refusal = s.admission_refusal(req, not self.running)
             if refusal is not None:
                 self.waiting.popleft()
                 self.finish(req, "error", refusal)
                 continue
-            if self.pool.free < s._pages_to_admit(req):
+            need = s.pages_to_admit(req)
+            if self.pool.free < need:
                 break
             self.waiting.popleft()
             req.slot = self._free_slots.pop()
             req.status = RequestStatus.RUNNING
-            req.admitted_at = s._admission_stamp()
+            req.admitted_at = s.admission_stamp()
             if req.queued_at is not None:   # its first admission: the time it waited in the queue
                 self.admitted += 1
                 self.queue_s_sum += time.perf_counter() - req.queued_at
                 req.queued_at = None
             self.running.append(req)
-            s._on_admit(req)
+            self.ensure_pages(req, need, may_preempt_itself=False)   # free: never preempts
+            s.on_admit(req)
 
     def release(self, req: TrackedRequest) -> None:
         """Give back the request's pages and slot."""
@@ -113,7 +136,7 @@ class RequestTable:
 
     def preempt(self, victim: TrackedRequest) -> None:
         """Back to the head of the queue without pages or slot; recomputed on readmission."""
-        self.strategy._on_preempt(victim)
+        self.hooks.on_preempt(victim)
         self.running.remove(victim)
         self.release(victim)
         victim.status = RequestStatus.WAITING
@@ -145,7 +168,7 @@ class RequestTable:
         self.release(req)
         if req in self.running:
             self.running.remove(req)
-        req.events.append(self.strategy._finish_event(req, reason, error))
+        req.events.append(self.hooks.finish_event(req, reason, error))
         self.requests.pop(req.request_id, None)
 
     def finish_cancelled(self) -> None:

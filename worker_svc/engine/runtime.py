@@ -1,9 +1,8 @@
-"""The engine runtime both decoders run on: the step loop with overlapped steps, the request
-table, cancel, stats, warm-up helpers, compile counting and the CUDA-graph cache.
-
-A decoder (steerling_engine.SteerlingEngine: block diffusion; isd_engine.IsdEngine: causal
-ISD) subclasses `EngineRuntime` and implements `DecodeStrategy`: how requests are admitted,
-which rows a step has, how a step is launched on the device and how its results are applied.
+"""The engine runtime both decoders run on, by composition: `EngineRuntime(strategy, table, kv)`
+runs the step loop (overlapped steps, submit, cancel, stats, warm-up helpers) over a
+`DecodeStrategy` (steerling_engine.SteerlingStrategy: block diffusion; isd_engine.IsdStrategy:
+causal ISD), which plans a step (`StepPlan`), executes it (`LaunchedStep`) and applies its
+results, and over the shared `RequestTable`, whose hooks the strategy implements.
 """
 
 from __future__ import annotations
@@ -13,15 +12,20 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
 
 from worker_svc.engine.events import FinishEvent
 from worker_svc.engine.graphs import GraphCache
+from worker_svc.engine.job import Job
 from worker_svc.engine.kv_cache import KVCache
 from worker_svc.engine.request_table import RequestTable, TrackedRequest
+
+RowT = TypeVar("RowT")        # a strategy's row type
+LayoutT = TypeVar("LayoutT")  # its packed-results layout (layouts.BlockResultLayout | IsdResultLayout)
+InputsT = TypeVar("InputsT")
 
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 
@@ -33,7 +37,7 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
     return n
 
 
-def to_device(inputs: Any, device: torch.device) -> Any:
+def to_device(inputs: InputsT, device: torch.device) -> InputsT:
     """A dataclass of host numpy arrays -> the same dataclass of device tensors, field by name
     (non-blocking copies: the host buffers stay alive until the step's results are read)."""
     return type(inputs)(**{f.name: torch.from_numpy(getattr(inputs, f.name)).to(device, non_blocking=True)
@@ -41,19 +45,35 @@ def to_device(inputs: Any, device: torch.device) -> Any:
 
 
 @dataclass
-class LaunchedStep:
-    """A step on its way: its rows, the layout of its packed results (it depends on the step's
+class StepPlan(Generic[RowT]):
+    """One step's rows, decided on the host (plain data: what vLLM calls SchedulerOutput).
+    overlapped: planned before the step in flight's results were applied; its rows then carry
+    what they expect that step to do, and `DecodeStrategy.resolve_ahead` settles them."""
+
+    rows: list[RowT]
+    overlapped: bool = False
+
+
+@dataclass
+class LaunchedStep(Generic[RowT, LayoutT]):
+    """A step on its way: its plan, the layout of its packed results (it depends on the step's
     tokens or drafts per row) and those results, whose device-to-host copy is pending until
     `done`."""
 
-    rows: list
-    layout: Any   # layouts.BlockResultLayout | layouts.IsdResultLayout
+    plan: StepPlan[RowT]
+    layout: LayoutT
     host: Tensor
-    done: object | None   # torch.cuda.Event, None on the CPU
-    host_plan: Any = None  # what the strategy decided at launch and checks when applying (optional)
-    # torch.cuda.Event the strategy recorded where the rest of the step outlasts the host's
-    # planning of the next one (None: plan it as soon as this step is launched)
-    plan_point: object | None = None
+    done: torch.cuda.Event | None   # None on the CPU
+    # per row, what the strategy promised at launch and checks when applying (Steerling: the
+    # head-row bound of each row); None: nothing to check
+    row_bounds: list[int] | None = None
+    # an event the strategy recorded where the rest of the step outlasts the host's planning of
+    # the next one (None: plan it as soon as this step is launched)
+    plan_point: torch.cuda.Event | None = None
+
+    @property
+    def rows(self) -> list[RowT]:
+        return self.plan.rows
 
     def wait(self) -> None:
         """Until the results' copy has landed (the GIL released meanwhile)."""
@@ -117,77 +137,89 @@ class EngineStats:
 
 
 class DecodeStrategy(ABC):
-    """What a decoder gives the runtime. Admission hooks are called by the request table;
-    step hooks by `EngineRuntime.step`, under the engine's lock except `_launch`."""
+    """What a decoder gives the runtime: its requests (`new_request`), the table's hooks
+    (`request_table.RequestHooks`) and one step as plan -> execute -> update. The runtime calls
+    every method but `execute` under its lock. It also keeps what both decoders count and
+    share: forwards, compilations and the CUDA-graph cache, and the pinned result buffers."""
 
-    # ---- requests ----------------------------------------------------------------------------
-    @abstractmethod
-    def submit(self, request_id: str, prompt: list[int], options: Any, steering: Any = None,
-               committed: list[int] | None = None, next_step: int = 0, stream_steps: bool = True,
-               records: bool = True) -> TrackedRequest:
-        """Queue a request; `committed` and `next_step` resume one that stopped elsewhere;
-        stream_steps=False drops the events only a live view of every step needs; records=False
-        the concept records only attributions need."""
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.forwards = 0       # device steps launched
+        self.compiles = 0       # torch.compile compilations (tests fail on a recompile)
+        self.applied_steps = 0  # steps whose results were applied
+        self.dropped_rows = 0   # rows of a launched step whose request ended before it was applied
+        self.graphs: GraphCache | None = None
+        self.pinned = PinnedPairs()
 
+    # ---- requests and the table's hooks ----------------------------------------------------------
     @abstractmethod
-    def warmup(self, max_rows: int = 4, max_new_tokens: int = 8) -> None:
-        """Compile / capture the shapes traffic will use, before the worker serves."""
-
-    # ---- admission and the table (RequestTable calls these) ----------------------------------
-    @abstractmethod
-    def _admission_refusal(self, req: TrackedRequest) -> str | None:
-        """Why the request can never be admitted (it then finishes with an error), else None."""
+    def new_request(self, job: Job) -> TrackedRequest:
+        """The job as this decoder's request, checked against what only this engine knows."""
 
     @abstractmethod
-    def _pages_to_admit(self, req: TrackedRequest) -> int:
-        """Free pages the request needs before it is admitted."""
+    def admission_refusal(self, req: TrackedRequest, idle: bool) -> str | None: ...
 
     @abstractmethod
-    def _admission_stamp(self) -> int:
-        """`admitted_at` of a request admitted now (preemption picks the largest)."""
-
-    def _on_admit(self, req: TrackedRequest) -> None:
-        """The request just got a slot: set up its device-side state."""
-
-    def _on_preempt(self, req: TrackedRequest) -> None:
-        """The request is about to lose its slot and pages: keep what it needs back."""
+    def pages_to_admit(self, req: TrackedRequest) -> int: ...
 
     @abstractmethod
-    def _finish_event(self, req: TrackedRequest, reason: str, error: str) -> FinishEvent:
-        """The event a finishing request reports."""
+    def admission_stamp(self) -> int: ...
+
+    def on_admit(self, req: TrackedRequest) -> None:
+        pass
+
+    def on_preempt(self, req: TrackedRequest) -> None:
+        pass
+
+    @abstractmethod
+    def finish_event(self, req: TrackedRequest, reason: str, error: str) -> FinishEvent: ...
 
     # ---- one step ------------------------------------------------------------------------------
     @abstractmethod
-    def _plan(self) -> list:
-        """The rows of the next step (may allocate pages and preempt)."""
+    def plan(self, table: RequestTable) -> StepPlan | None:
+        """The next step from the host's state (may allocate pages and preempt); None: no rows."""
 
     @abstractmethod
-    def _rows_ahead(self, rows: list) -> list | None:
-        """The next step's rows if it can be launched before `rows`' results are applied, else None
-        (it may admit waiting requests into them)."""
+    def plan_ahead(self, table: RequestTable, inflight: StepPlan) -> StepPlan | None:
+        """The step after `inflight` if it can be launched before inflight's results are applied,
+        else None (it may admit waiting requests into it)."""
 
     @abstractmethod
-    def _launch(self, rows: list, overlapped: bool = False) -> LaunchedStep:
+    def execute(self, plan: StepPlan) -> LaunchedStep:
         """Build the step's inputs, run it on the device, start the copy of its results."""
 
     @abstractmethod
-    def _apply_step(self, launched: LaunchedStep) -> None:
+    def update(self, table: RequestTable, step: LaunchedStep) -> None:
         """Apply a launched step's results to its requests (events, finishing)."""
 
-    def _resolve_ahead(self, launched: LaunchedStep) -> None:
-        """After the step before `launched` is applied: what its rows turned out to be (a no-op
-        where the rows launched ahead already are the rows)."""
+    def resolve_ahead(self, plan: StepPlan) -> StepPlan:
+        """After the step before `plan` is applied: what its rows turned out to be (the plan
+        itself where the rows planned ahead already are the rows)."""
+        return plan
+
+    # ---- acceleration shared by both decoders ----------------------------------------------------
+    def counting_backend(self, gm, example_inputs):
+        """torch.compile backend: inductor, counting each compilation."""
+        self.compiles += 1
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    def enable_graphs(self) -> None:
+        """Device steps replay CUDA graphs from now on (`graphs`)."""
+        if self.device.type != "cuda":
+            raise ValueError("cuda_graphs needs a CUDA device")
+        self.graphs = GraphCache()
 
 
-class EngineRuntime(DecodeStrategy):
-    """The shared step loop. A subclass builds its KV cache, calls this `__init__`, builds its
-    runner, then `_accelerate(compile, cuda_graphs)`."""
+class EngineRuntime:
+    """The step loop over a strategy, its request table and its KV cache: overlapped steps,
+    submit and cancel from other threads, stats, warm-up helpers."""
 
-    def __init__(self, kv: KVCache, device: torch.device, *, max_slots: int, overlap: bool):
+    def __init__(self, strategy: DecodeStrategy, table: RequestTable, kv: KVCache, *, overlap: bool):
+        self.strategy = strategy
+        self.table = table
         self.kv = kv
-        self.device = device
-        self.table = RequestTable(kv.pool, max_slots, self)
-        self.steps = self.forwards = self.compiles = 0
+        self.steps = 0
         self._lock = threading.Lock()
         # Overlap: in steady decoding the next step is launched before this one's results reach
         # the host, so the host's scheduling, input building and bookkeeping hide behind the GPU.
@@ -195,32 +227,20 @@ class EngineRuntime(DecodeStrategy):
         self._inflight: LaunchedStep | None = None
         self.overlapped_steps = 0
         self.late_plans = self.late_plan_misses = 0
-        self.dropped_rows = 0      # rows of a launched step whose request ended before it was applied
-        self._pinned = PinnedPairs()
-        self._graphs: GraphCache | None = None
 
-    def _accelerate(self, compile: bool, cuda_graphs: bool) -> None:
-        """Regional compilation (the subclass's `_compile`), then CUDA graphs of the device step."""
-        if compile:
-            self._compile()
-        if cuda_graphs:
-            if self.device.type != "cuda":
-                raise ValueError("cuda_graphs needs a CUDA device")
-            self._graphs = GraphCache()
-
-    def _compile(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no compiled path")
-
-    def _counting_backend(self, gm, example_inputs):
-        """torch.compile backend: inductor, counting each compilation (tests fail on a recompile)."""
-        self.compiles += 1
-        from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, example_inputs)
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
 
     @property
     def cuda_graphs(self) -> bool:
         """Whether device steps replay CUDA graphs."""
-        return self._graphs is not None
+        return self.strategy.graphs is not None
+
+    @property
+    def inflight(self) -> LaunchedStep | None:
+        """The launched step whose results are not applied yet (overlap), if any."""
+        return self._inflight
 
     # ---- the table, as callers see it -----------------------------------------------------------
     @property
@@ -245,23 +265,24 @@ class EngineRuntime(DecodeStrategy):
         """Apply one step's results, launching it first unless it is already running. With
         overlap, in steady decoding the next step is launched before this one's results are
         read, so the host's bookkeeping and the device-to-host copy hide behind the GPU."""
+        strategy, table = self.strategy, self.table
         if self._inflight is None:
             with self._lock:
-                self.table.finish_cancelled()
-                self.table.admit()
-                rows = self._plan()
-            if not rows:
+                table.finish_cancelled()
+                table.admit()
+                plan = strategy.plan(table)
+            if plan is None:
                 return
-            self._inflight = self._launch(rows)
+            self._inflight = strategy.execute(plan)
         current, nxt = self._inflight, None
         if self.overlap:
             late = current.plan_point is not None
             if late:   # GIL released: requests arriving until then join the next step, not the one after
                 current.plan_point.synchronize()
             with self._lock:   # submit/cancel (other threads) touch waiting/cancelled; launch unlocked
-                ahead = self._rows_ahead(current.rows)
+                ahead = strategy.plan_ahead(table, current.plan)
             if ahead is not None:
-                nxt = self._launch(ahead, overlapped=True)
+                nxt = strategy.execute(ahead)
                 self.overlapped_steps += 1
                 if late:
                     self.late_plans += 1
@@ -269,19 +290,21 @@ class EngineRuntime(DecodeStrategy):
                         self.late_plan_misses += 1
         # Wait for the results before taking the lock: submit and cancel take it from the gRPC
         # event loop's thread, which must never wait for the GPU (waiting inside the lock froze
-        # the worker's whole loop, every stream and Submit, for the rest of a step: ~40 ms of a
-        # 60 ms step for a third of the requests arriving at C = 32, eb100ee's trace).
+        # the worker's whole loop, every stream and Submit, for the rest of a step).
         current.wait()
         with self._lock:
-            self._apply_step(current)
+            strategy.update(table, current)
+            strategy.applied_steps += 1
             self.steps += 1
             if nxt is not None:
-                self._resolve_ahead(nxt)
+                nxt.plan = strategy.resolve_ahead(nxt.plan)
             else:   # nothing in flight: a cancel frees its pages now, not a step later
-                self.table.finish_cancelled()
+                table.finish_cancelled()
         self._inflight = nxt
 
-    def _queue(self, req: TrackedRequest) -> TrackedRequest:
+    def submit(self, job: Job) -> TrackedRequest:
+        """Queue a job; its request (with the events it reports) comes back."""
+        req = self.strategy.new_request(job)
         with self._lock:
             self.table.add(req)
         return req
@@ -294,11 +317,11 @@ class EngineRuntime(DecodeStrategy):
         return bool(self.table.waiting or self.table.running or self._inflight is not None)
 
     def stats(self) -> EngineStats:
-        pool = self.kv.pool
+        pool, s = self.kv.pool, self.strategy
         return EngineStats(pages_total=pool.usable, pages_used=pool.used, pages_free=pool.free,
                            running=len(self.table.running), waiting=len(self.table.waiting), steps=self.steps,
-                           forwards=self.forwards, compiles=self.compiles, preemptions=self.table.preemptions,
-                           graphs=self._graphs.captures if self._graphs is not None else 0,
+                           forwards=s.forwards, compiles=s.compiles, preemptions=self.table.preemptions,
+                           graphs=s.graphs.captures if s.graphs is not None else 0,
                            overlapped_steps=self.overlapped_steps, late_plans=self.late_plans,
                            late_plan_misses=self.late_plan_misses, admitted=self.table.admitted,
                            queue_s_sum=self.table.queue_s_sum)
@@ -314,13 +337,13 @@ class EngineRuntime(DecodeStrategy):
         while req.events:
             yield req.events.popleft()
 
-    def _run_throwaway(self, jobs) -> None:
-        """Warm-up: submit (request_id, prompt, options) jobs, run them to the end, forget them."""
-        for request_id, prompt, options in jobs:
-            self.submit(request_id, prompt, options)
+    def run_throwaway(self, jobs: list[Job]) -> None:
+        """Warm-up: run the jobs to the end and forget them."""
+        for job in jobs:
+            self.submit(job)
         self.run_until_idle()
-        for request_id, _, _ in jobs:
-            self.table.requests.pop(request_id, None)
+        for job in jobs:
+            self.table.requests.pop(job.request_id, None)
 
     @staticmethod
     def freeze_heap() -> None:
