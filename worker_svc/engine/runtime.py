@@ -182,7 +182,9 @@ class DecodeStrategy(ABC):
     @abstractmethod
     def plan_ahead(self, table: RequestTable, inflight: StepPlan) -> StepPlan | None:
         """The step after `inflight` if it can be launched before inflight's results are applied,
-        else None (it may admit waiting requests into it)."""
+        else None (it may admit waiting requests into it; it never preempts). Not called while a
+        running request is cancelled: the chain of overlapped steps ends so the cancel is finished.
+        Its rows keep their places through `resolve_ahead`: they index the step's results."""
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> LaunchedStep:
@@ -280,7 +282,9 @@ class EngineRuntime:
             if late:   # GIL released: requests arriving until then join the next step, not the one after
                 current.plan_point.synchronize()
             with self._lock:   # submit/cancel (other threads) touch waiting/cancelled; launch unlocked
-                ahead = strategy.plan_ahead(table, current.plan)
+                # a cancel ends the chain of overlapped steps: it is finished (pages freed) below
+                cancelled = any(r.cancel_requested for r in table.running)
+                ahead = None if cancelled else strategy.plan_ahead(table, current.plan)
             if ahead is not None:
                 nxt = strategy.execute(ahead)
                 self.overlapped_steps += 1
