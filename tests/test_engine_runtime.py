@@ -172,8 +172,7 @@ def check_outputs(seed, js, got: dict[str, list], tag: str) -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_every_request_gets_its_tokens_in_order_with_and_without_overlap(overlap):
-    seed = random.randrange(1 << 30)
+def test_every_request_gets_its_tokens_in_order_with_and_without_overlap(overlap, seed):
     js = jobs(seed, 12)
     rt = runtime(n_pages=256, max_slots=5, overlap=overlap)
     reqs = [rt.submit(j) for j in js]
@@ -193,8 +192,7 @@ def test_every_request_gets_its_tokens_in_order_with_and_without_overlap(overlap
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_small_pool_preempts_and_every_request_still_finishes_exactly(overlap):
-    seed = random.randrange(1 << 30)
+def test_a_small_pool_preempts_and_every_request_still_finishes_exactly(overlap, seed):
     js = jobs(seed, 10)
     rt = runtime(n_pages=14, max_slots=6, overlap=overlap)   # 13 usable pages, requests need up to 10
     reqs = [rt.submit(j) for j in js]
@@ -205,8 +203,7 @@ def test_a_small_pool_preempts_and_every_request_still_finishes_exactly(overlap)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_cancel_mid_decode_finishes_it_frees_its_pages_and_leaves_the_others_exact(overlap):
-    seed = random.randrange(1 << 30)
+def test_a_cancel_mid_decode_finishes_it_frees_its_pages_and_leaves_the_others_exact(overlap, seed):
     never_stop = [p for p in range(1000) if expected_output([p], 30)[1] == "length"]
     js = [Job(f"r{i}", [p], decode_options(30)) for i, p in enumerate(random.Random(seed).sample(never_stop, 4))]
     rt = runtime(n_pages=256, max_slots=8, overlap=overlap)

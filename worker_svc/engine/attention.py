@@ -21,7 +21,7 @@ sums follows the key length (torch 2.13: a row with 200 visible keys padded to 2
 differs by ~2e-7; from 512 on the results agree), so the same row rounded differently when a
 longer request shared its step, or when a replayed request's prefill wrote its K/V: identical
 tokens, concept records (hence attributions) off by an ulp that the following layers and blocks
-spread (issue 33). One SDPA call per row over its own visible keys (no mask:
+spread. One SDPA call per row over its own visible keys (no mask:
 a block row's queries all see keys 0 .. n_visible - 1) has no padding to depend on. The
 GEMMs around attention take the step's rows at once; the CPU BLAS computes a row of a
 (>= 8)-row product the same way whatever the row count or the row's place

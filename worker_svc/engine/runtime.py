@@ -88,9 +88,8 @@ class LaunchedStep(Generic[RowT, LayoutT]):
 
 class PinnedPairs:
     """Two pinned host buffers per (shape, dtype), handed out in turn: a launched step's results
-    land in one while the step before it may still be read from the other. (An earlier version
-    handed out the first buffer twice in a row: an overlapped step's copy could then overwrite
-    the results of the step launched just before it, with the same shape, before they were read.)"""
+    land in one while the step before it may still be read from the other (an overlapped step's
+    copy must not overwrite the results of the step launched just before it, same shape, unread)."""
 
     def __init__(self, pin: bool = True):
         self.pin = pin   # False: plain host memory (tests without a GPU)
