@@ -17,7 +17,8 @@
 #   bash bench/run_h200.sh isd-prefill-rows # I-DLM-8B time to first token alone and joining, 32 vs 64 prompt rows a step
 #   bash bench/run_h200.sh isd-ttfb    # I-DLM-8B time to first token (1K, 4K) alone and joining, at the engine's defaults
 #   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
-#   bash bench/run_h200.sh train-steerling-v2 # steerling-small v2, resumable across commands (TOTAL_TRAIN_S, EVAL=quick|full, RESUME)
+#   bash bench/run_h200.sh train-steerling-v2 # steerling-small v2, resumable across commands (TOTAL_TRAIN_S, EVAL=quick|full, RESUME, PROBE=0: no v1 probe)
+#   bash bench/run_h200.sh eval-steerling # evaluate the bundle the last train-steerling-v2 of this lease wrote (QUICK=1)
 #   bash bench/run_h200.sh train-throughput # steerling-small trainer: tok/s + MFU of today's recipe vs prefetch / compile / batch 256, and a profile
 #   bash bench/run_h200.sh train-all       # both bundled models (idlm-small beside steerling-small + its eval)
 #   bash bench/run_h200.sh eval-idlm       # idlm-8b ISD bench, then idlm-small's full evaluation with H200 speed
@@ -124,7 +125,7 @@ case "$stage" in
     # bundle named by RESUME (weights only). EVAL=quick|full evaluates the bundle it returns;
     # LOSS_WEIGHTS="--loss-weight steer_words=0.6 ..." overrides the objective's weights.
     data=/tmp/steerling-data; ckpt=/tmp/steerling-ckpt
-    if [ ! -e "$ckpt/state.pt" ] && [ -z "${RESUME:-}" ]; then
+    if [ ! -e "$ckpt/state.pt" ] && [ -z "${RESUME:-}" ] && [ "${PROBE:-1}" = 1 ]; then
       python3 -u -m train.train_steerling --out /tmp/probe-v1 --data "$data" --objective v1 --attention sdpa \
         --batch-size 64 --max-steps 40 --log-every-s 2 --time-budget-s 300 --data-budget-s 60 2>&1 \
         | grep -v Warning > "$OUT/probe-v1-$short.log" || true
@@ -134,6 +135,7 @@ case "$stage" in
       --data-budget-s 60 --objective "${OBJECTIVE:-v2}" ${COMPILE:+--compile} ${RESUME:+--resume "$RESUME"} ${LOSS_WEIGHTS:-} 2>&1 | grep -v Warning \
       > "$OUT/train-steerling-small-$short.log" || true
     tail -n 4 "$OUT/train-steerling-small-$short.log"
+    rm -rf /tmp/steerling-bundle-last && cp -r "$OUT/steerling-small" /tmp/steerling-bundle-last   # for eval-steerling
     case "${EVAL:-}" in
       quick) eval_args="--prompts 24 --concepts 6 --detect-batches 4" ;;
       full) eval_args="" ;;
@@ -145,6 +147,12 @@ case "$stage" in
       grep -E "meaning|logit mass|clean steering|detection|lift:" "$OUT/train-steerling-small-$short.log" | cut -c1-600
     fi
     rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet" ;;
+  eval-steerling)
+    # evaluate the bundle the last train-steerling-v2 command of this lease wrote (MODEL_DIR= another)
+    python3 -u -m train.eval_steerling --model-dir "${MODEL_DIR:-/tmp/steerling-bundle-last}" --data /tmp/steerling-data \
+      ${QUICK:+--prompts 24 --concepts 6 --detect-batches 4} --out "$OUT/eval-steerling-small-h200-$short.json" 2>&1 \
+      | grep -v Warning > "$OUT/eval-steerling-small-$short.log" || true
+    grep -E "meaning|logit mass|clean steering|detection|lift:" "$OUT/eval-steerling-small-$short.log" | cut -c1-600 ;;
   train-throughput)
     # 30 steps of each variant on one corpus (built once): the v1 recipe (SDPA, batch 64: the
     # issue's baseline), v2 at batch 128 inline, + the prefetch thread, + --compile, at batch 256;

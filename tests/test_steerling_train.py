@@ -118,3 +118,46 @@ def test_attribution_rank_loss_is_the_ce_of_served_contributions_and_falls_when_
     assert float(attribution_rank_loss(model, logits, tokens, labels, masked)) < float(want) - 1.0, f"seed {seed}"
     none = torch.zeros_like(masked)
     assert float(attribution_rank_loss(model, logits, tokens, labels, none)) == 0.0
+
+
+def test_served_attribution_rank_loss_ranks_within_the_served_record_and_pushes_the_label_into_it():
+    """v4's known_attr (served_k > 0) against a by-hand float64 computation: CE over the
+    contributions of the served_k largest-logit concepts plus the label (std over those), plus
+    relu(k-th largest other logit - label logit + margin); far lower once the label leads."""
+    from cde.steerling.config import TINY
+    from cde.steerling.model import SteerlingModel
+    from train.steerling_objective import attribution_rank_loss
+
+    seed = int(torch.randint(0, 2**31, ()).item())
+    torch.manual_seed(seed)
+    model = SteerlingModel(TINY).init_random(seed, std=0.05)
+    c, v, k = TINY.n_known, TINY.vocab_size, 4
+    b, t = 2, 16
+    logits = torch.randn(b, t, c)
+    tokens = torch.randint(0, v, (b, t))
+    labels = torch.full((b, t), -1)
+    labels[0, 3], labels[1, 7] = 5, 11
+    masked = torch.ones(b, t, dtype=torch.bool)
+    got = attribution_rank_loss(model, logits, tokens, labels, masked, served_k=k, margin=1.0)
+
+    emb = model.known_head.concept_embedding.weight[:c].double()
+    w = model.transformer.lm_head.weight.double()
+    ranks, hinges = [], []
+    for (i, j) in [(0, 3), (1, 7)]:
+        lab = int(labels[i, j])
+        row = logits[i, j].double()
+        served = sorted(set(row.topk(k).indices.tolist()) | {lab})
+        contrib = torch.sigmoid(row) * (emb @ w[tokens[i, j]])
+        z = contrib[served] / contrib[served].std()
+        ranks.append(torch.logsumexp(z, 0) - z[served.index(lab)])
+        others = torch.cat([row[:lab], row[lab + 1:]])
+        hinges.append(torch.relu(others.topk(k).values[-1] - row[lab] + 1.0))
+    want = torch.stack(ranks).mean() + torch.stack(hinges).mean()
+    assert abs(float(got) - float(want)) < 1e-4, f"seed {seed}: {float(got)} vs by hand {float(want)}"
+
+    with torch.no_grad():   # labels far ahead in logit (hinge 0) and pointing at their tokens
+        for (i, j) in [(0, 3), (1, 7)]:
+            model.known_head.concept_embedding.weight[labels[i, j]] = 3 * w[tokens[i, j]].float()
+            logits[i, j, labels[i, j]] = 50.0
+    low = attribution_rank_loss(model, logits, tokens, labels, masked, served_k=k)
+    assert float(low) < float(want) - 1.0, f"seed {seed}: {float(low)} vs {float(want)}"

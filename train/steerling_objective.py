@@ -74,6 +74,9 @@ class LossWeights:
     # to a concept, that concept's served contribution sigmoid(logit) * E . W_lm[y] should rank
     # first among the known concepts (CE over the row's contributions, scaled by their spread)
     known_attr: float = 0.0
+    # v4: the same ranking over what a served record holds (the known_attr_k concepts of largest
+    # logit, plus the label), and a hinge that puts the label's logit among them (0: v3's ranking)
+    known_attr_k: int = 0
 
 
 @dataclass
@@ -186,11 +189,18 @@ def steering_for_rows(model: SteerlingModel, concept: Tensor, inject_layer: int,
 
 
 def attribution_rank_loss(model: SteerlingModel, known_logits: Tensor, tokens: Tensor, token_labels: Tensor,
-                          masked: Tensor, max_rows: int = 4096) -> Tensor:
-    """CE that the labelled concept's contribution sigmoid(l_c) * E_c . W_lm[y] ranks first among
-    all known concepts, at masked labelled positions (what the committing forward attributes).
-    Contributions are divided by their (detached) spread per row so the loss cannot be lowered
-    by growing the embeddings alone. known_logits (B, T, C) of the noisy half."""
+                          masked: Tensor, max_rows: int = 4096, served_k: int = 0,
+                          margin: float = 1.0) -> Tensor:
+    """CE that the labelled concept's contribution sigmoid(l_c) * E_c . W_lm[y] ranks first, at
+    masked labelled positions (what the committing forward attributes). Contributions are divided
+    by their (detached) spread per row so the loss cannot be lowered by growing the embeddings alone.
+    known_logits (B, T, C) of the noisy half.
+
+    served_k = 0 (v3): the ranking is over all known concepts. served_k > 0 (v4): over what a served
+    record holds, the served_k concepts of largest logit (plus the label), and a hinge
+    relu(l_(k) - l_label + margin) pushes the label's logit into that top-k (l_(k): the k-th
+    largest logit of the other concepts): a label outside the record is a miss whatever its
+    contribution."""
     sel = masked & (token_labels >= 0)
     logits = known_logits[sel][:max_rows]                                # (n, C)
     if logits.shape[0] == 0:
@@ -200,8 +210,21 @@ def attribution_rank_loss(model: SteerlingModel, known_logits: Tensor, tokens: T
     emb = model.known_head.concept_embedding.weight[: model.cfg.n_known].float()
     lm_rows = model.transformer.lm_head.weight[y].float()               # (n, D)
     contrib = torch.sigmoid(logits) * (lm_rows @ emb.t())              # (n, C)
-    spread = contrib.detach().std(dim=-1, keepdim=True).clamp_min(1e-6)
-    return F.cross_entropy(contrib / spread, label)
+    if not served_k or served_k >= logits.shape[1]:
+        spread = contrib.detach().std(dim=-1, keepdim=True).clamp_min(1e-6)
+        return F.cross_entropy(contrib / spread, label)
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    served = torch.zeros_like(logits, dtype=torch.bool)
+    served.scatter_(1, logits.detach().topk(served_k, dim=-1).indices, True)
+    served[rows, label] = True
+    spread = torch.where(served, contrib.detach(), torch.nan).nanmean(-1, keepdim=True)
+    spread = (torch.where(served, contrib.detach() - spread, 0.0).pow(2).sum(-1, keepdim=True)
+              / (served.sum(-1, keepdim=True) - 1).clamp_min(1)).sqrt().clamp_min(1e-6)
+    rank = F.cross_entropy(torch.where(served, contrib / spread, float("-inf")), label)
+    others = logits.scatter(1, label[:, None], float("-inf"))
+    kth = others.topk(served_k, dim=-1).values[:, -1]
+    into_topk = F.relu(kth - logits[rows, label] + margin).mean()
+    return rank + into_topk
 
 
 @dataclass
@@ -326,7 +349,8 @@ def training_loss(model: SteerlingModel, batch: Batch, generator: torch.Generato
 
     known_attr = mdm.new_zeros(())
     if weights.known_attr:
-        known_attr = attribution_rank_loss(model, kl_noisy, tokens, batch.token_labels, masked)
+        known_attr = attribution_rank_loss(model, kl_noisy, tokens, batch.token_labels, masked,
+                                           served_k=weights.known_attr_k)
 
     total = (weights.mdm * mdm + weights.known * known + weights.known_token * known_tok
              + weights.disc * disc + weights.independence * indep + weights.steer_words * steer_words

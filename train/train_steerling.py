@@ -77,6 +77,10 @@ OBJECTIVES = {
     "v2": LossWeights(steer_words=0.3, concept_lm=0.5, known_lm=0.5, steer_somewhere=True),
     # v3: v2 + the labelled concept ranks first in the served attribution (known_attr)
     "v3": LossWeights(steer_words=0.3, concept_lm=0.5, known_lm=0.5, steer_somewhere=True, known_attr=0.5),
+    # v4: v3 with the ranking over the served record (top topk_known by logit) and the label's logit
+    # pushed into it (known_attr_k = -1: the model's topk_known, 16 for steerling-small)
+    "v4": LossWeights(steer_words=0.3, concept_lm=0.5, known_lm=0.5, steer_somewhere=True, known_attr=0.5,
+                      known_attr_k=-1),
 }
 H200_BF16_PEAK = 989e12     # dense bf16 FLOP/s, for the MFU figure
 
@@ -173,6 +177,8 @@ def train(args: argparse.Namespace) -> Path:
             kind = type(asdict(weights)[name])
             over[name] = (value.lower() in ("1", "true")) if kind is bool else kind(value)
         weights = LossWeights(**{**asdict(weights), **over})
+    if weights.known_attr_k < 0:   # v4: rank over what the served record holds
+        weights = LossWeights(**{**asdict(weights), "known_attr_k": cfg.topk_known})
     budget = args.time_budget_s - (time.monotonic() - started) - args.reserve_s
     if budget <= 0:
         raise SystemExit("no time left to train after loading the data")
