@@ -124,18 +124,21 @@ case "$stage" in
     # resumes /tmp/steerling-ckpt (weights + optimizer) while the machine is still warm, else the
     # bundle named by RESUME (weights only). EVAL=quick|full evaluates the bundle it returns;
     # LOSS_WEIGHTS="--loss-weight steer_words=0.6 ..." overrides the objective's weights.
-    data=/tmp/steerling-data; ckpt=/tmp/steerling-ckpt
+    # STORY_GRAMMAR=2: the corpus's stories vary their narration (train/stories.py); its own data dir
+    grammar="${STORY_GRAMMAR:-1}"; data=/tmp/steerling-data; [ "$grammar" = 1 ] || data="/tmp/steerling-data-g$grammar"
+    ckpt=/tmp/steerling-ckpt
     if [ ! -e "$ckpt/state.pt" ] && [ -z "${RESUME:-}" ] && [ "${PROBE:-1}" = 1 ]; then
       python3 -u -m train.train_steerling --out /tmp/probe-v1 --data "$data" --objective v1 --attention sdpa \
-        --batch-size 64 --max-steps 40 --log-every-s 2 --time-budget-s 300 --data-budget-s 60 2>&1 \
+        --batch-size 64 --max-steps 40 --log-every-s 2 --time-budget-s 300 --data-budget-s 60 --story-grammar "$grammar" 2>&1 \
         | grep -v Warning > "$OUT/probe-v1-$short.log" || true
     fi
     python3 -u -m train.train_steerling --out "$OUT/steerling-small" --data "$data" --checkpoint "$ckpt" \
       --total-train-s "${TOTAL_TRAIN_S:-900}" --batch-size "${BATCH:-128}" --time-budget-s "${TRAIN_BUDGET_S:-400}" \
-      --data-budget-s 60 --objective "${OBJECTIVE:-v2}" ${COMPILE:+--compile} ${RESUME:+--resume "$RESUME"} ${LOSS_WEIGHTS:-} 2>&1 | grep -v Warning \
+      --data-budget-s 60 --story-grammar "$grammar" --objective "${OBJECTIVE:-v2}" ${COMPILE:+--compile} ${RESUME:+--resume "$RESUME"} ${LOSS_WEIGHTS:-} 2>&1 | grep -v Warning \
       > "$OUT/train-steerling-small-$short.log" || true
     tail -n 4 "$OUT/train-steerling-small-$short.log"
     rm -rf /tmp/steerling-bundle-last && cp -r "$OUT/steerling-small" /tmp/steerling-bundle-last   # for eval-steerling
+    echo "$data" > /tmp/steerling-data-last
     case "${EVAL:-}" in
       quick) eval_args="--prompts 24 --concepts 6 --detect-batches 4" ;;
       full) eval_args="" ;;
@@ -149,7 +152,8 @@ case "$stage" in
     rm -f "$OUT/steerling-small/tokenizer.json" "$OUT/steerling-small/concept_labels.parquet" ;;
   eval-steerling)
     # evaluate the bundle the last train-steerling-v2 command of this lease wrote (MODEL_DIR= another)
-    python3 -u -m train.eval_steerling --model-dir "${MODEL_DIR:-/tmp/steerling-bundle-last}" --data /tmp/steerling-data \
+    python3 -u -m train.eval_steerling --model-dir "${MODEL_DIR:-/tmp/steerling-bundle-last}" \
+      --data "$(cat /tmp/steerling-data-last 2>/dev/null || echo /tmp/steerling-data)" \
       ${QUICK:+--prompts 24 --concepts 6 --detect-batches 4} --out "$OUT/eval-steerling-small-h200-$short.json" 2>&1 \
       | grep -v Warning > "$OUT/eval-steerling-small-$short.log" || true
     grep -E "meaning|logit mass|clean steering|detection|lift:" "$OUT/eval-steerling-small-$short.log" | cut -c1-600 ;;

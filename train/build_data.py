@@ -164,7 +164,7 @@ def step_unpack(out: Path) -> None:
     print(f"[unpack-prose] {len(names)} shards -> {out}")
 
 
-def story_variety(n_stories: int = 20_000, seed: int = 0) -> dict[str, float]:
+def story_variety(n_stories: int = 20_000, seed: int = 0, grammar: int = 1) -> dict[str, float]:
     """Share of distinct sentences and of 8-grams (of words) seen more than once."""
     import re
 
@@ -173,7 +173,7 @@ def story_variety(n_stories: int = 20_000, seed: int = 0) -> dict[str, float]:
     sentences: Counter[str] = Counter()
     grams: Counter[int] = Counter()
     for i in range(n_stories):
-        text = generate_story(seed, i).text
+        text = generate_story(seed, i, grammar).text
         for s in re.split(r"(?<=[.!?\"])\s+", text):
             sentences[s] += 1
         words = text.split()
@@ -181,7 +181,7 @@ def story_variety(n_stories: int = 20_000, seed: int = 0) -> dict[str, float]:
             grams[hash(tuple(words[k:k + 8]))] += 1
     n_sent = sum(sentences.values())
     n_grams = sum(grams.values())
-    return {"stories": n_stories, "sentences": n_sent, "distinct_sentence_share": len(sentences) / n_sent,
+    return {"stories": n_stories, "grammar": grammar, "sentences": n_sent, "distinct_sentence_share": len(sentences) / n_sent,
             "eight_grams": n_grams, "repeated_eight_gram_share": sum(c for c in grams.values() if c > 1) / n_grams,
             "distinct_eight_gram_share": len(grams) / n_grams}
 

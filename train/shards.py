@@ -128,20 +128,22 @@ class ShardWriter:
 # ---------------------------------------------------------------------------- stories
 
 
-def _story_shard(args: tuple[int, int, int, str, str, float, str, str]) -> ShardMeta:
-    seed, shard, per_shard, out_dir, fmt, chat_share, tokenizer_file, lexicon_file = args
+def _story_shard(args: tuple) -> ShardMeta:
+    """(seed, shard, per_shard, out_dir, fmt, chat_share, tokenizer_file, lexicon_file[, grammar])."""
+    seed, shard, per_shard, out_dir, fmt, chat_share, tokenizer_file, lexicon_file = args[:8]
+    grammar = args[8] if len(args) > 8 else 1
     from train.concepts import Lexicon
     from train.stories import generate_story
 
     lab = Labeler(Lexicon.load(Path(lexicon_file)), tokenizer_file)
-    name = f"stories-{fmt}-s{seed}-{shard:05d}"
+    name = f"stories-{fmt}-s{seed}-{shard:05d}" if grammar == 1 else f"stories-{fmt}-g{grammar}-s{seed}-{shard:05d}"
     meta = ShardMeta(name, "stories", 0, 0, TOKEN_K, CHUNK_K, fmt, sha256_file(tokenizer_file),
                      sha256_file(lexicon_file), seed, shard * per_shard)
     w = ShardWriter(Path(out_dir), name, meta, lab)
     first = shard * per_shard
     batch = 256
     for a in range(first, first + per_shard, batch):
-        stories = [generate_story(seed, i) for i in range(a, min(a + batch, first + per_shard))]
+        stories = [generate_story(seed, i, grammar) for i in range(a, min(a + batch, first + per_shard))]
         # chat or plain: decided from (seed, index) alone, like the story itself
         chat = [random.Random(seed * 7_919 + i * 31 + 1).random() < chat_share for i in range(a, a + len(stories))]
         plain = lab.label_texts([s.text for s, c in zip(stories, chat) if not c])
@@ -161,8 +163,10 @@ def _story_shard(args: tuple[int, int, int, str, str, float, str, str]) -> Shard
 
 def generate_story_shards(out_dir: Path, n_tokens: int, seed: int, workers: int, chat_format: str,
                           chat_share: float, tokenizer_file: Path, lexicon_file: Path,
-                          per_shard: int = STORIES_PER_SHARD, progress: bool = True) -> list[ShardMeta]:
-    """Story shards until about `n_tokens` (shard count from ~155 tokens a story, measured), in parallel."""
+                          per_shard: int = STORIES_PER_SHARD, progress: bool = True,
+                          grammar: int = 1) -> list[ShardMeta]:
+    """Story shards until about `n_tokens` (shard count from ~155 tokens a story, measured), in parallel.
+    grammar: train.stories' (2 varies the narration; shard names carry it)."""
     import multiprocessing as mp
 
     if chat_format not in CHAT_FORMATS:
@@ -172,8 +176,8 @@ def generate_story_shards(out_dir: Path, n_tokens: int, seed: int, workers: int,
     n_shards = max(1, -(-n_tokens // (per_shard * 155)))
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
-    jobs = [(seed, k, per_shard, str(out_dir), chat_format, chat_share, str(tokenizer_file), str(lexicon_file))
-            for k in range(n_shards)]
+    jobs = [(seed, k, per_shard, str(out_dir), chat_format, chat_share, str(tokenizer_file), str(lexicon_file),
+             grammar) for k in range(n_shards)]
     metas: list[ShardMeta] = []
     t0 = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:

@@ -215,20 +215,28 @@ def main() -> None:
 
 
 def open_data(directory: str | None, *, tiny: bool, seed: int, log: Callable[[str], None],
-              time_budget_s: float, model_dir: str | None = None) -> SteerlingData:
+              time_budget_s: float, model_dir: str | None = None,
+              story_grammar: int | None = None) -> SteerlingData:
     """The corpus: shards under `directory` when it has some, else generated there now (stories
-    sized to the time budget + the committed prose; a temporary directory when None)."""
+    sized to the time budget + the committed prose; a temporary directory when None). A directory
+    built with another story grammar than `story_grammar` is refused (its file `story_grammar` says which;
+    None: any, and grammar 1 when built now)."""
     if tiny and directory is None:
         return StandInData(seed=seed)
     root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="steerling-data-"))
+    marker = root / "story_grammar"
     if not any(root.rglob("*.tokens.npy")):
-        build_corpus(root, seed, log, time_budget_s)
+        build_corpus(root, seed, log, time_budget_s, story_grammar=story_grammar or 1)
+        marker.write_text(f"{story_grammar or 1}\n")
+    built = int(marker.read_text()) if marker.exists() else 1
+    if story_grammar is not None and built != story_grammar:
+        raise SystemExit(f"--data {root} holds stories of grammar {built}, not {story_grammar}: use another directory")
     dirs = sorted({p.parent for p in root.rglob("*.tokens.npy")})
     return CorpusData(dirs, seed, log)
 
 
 def build_corpus(out: Path, seed: int, log: Callable[[str], None], time_budget_s: float,
-                 tokens_per_s_per_worker: float = 55_000.0) -> Path:
+                 tokens_per_s_per_worker: float = 55_000.0, story_grammar: int = 1) -> Path:
     """Story shards sized to the time budget (measured rate per worker) + the committed prose."""
     from train import build_data
     from train.shards import generate_story_shards, unpack_shards
@@ -238,7 +246,7 @@ def build_corpus(out: Path, seed: int, log: Callable[[str], None], time_budget_s
     t0 = time.monotonic()
     log(f"generating ~{n_tokens / 1e6:.0f}M story tokens on {workers} workers")
     generate_story_shards(out / "stories", n_tokens, seed, workers, "llama3", 0.35, build_data.TOKENIZER,
-                          build_data.LEXICON, per_shard=2000, progress=True)
+                          build_data.LEXICON, per_shard=2000, progress=True, grammar=story_grammar)
     if build_data.PROSE.exists():
         names = unpack_shards(build_data.PROSE, out / "prose", build_data.TOKENIZER, build_data.LEXICON,
                               workers=workers)

@@ -31,6 +31,20 @@ CONNECT = ("Then", "After that", "Soon", "Before long", "Next", "A little later"
            "Meanwhile", "At last", "Later")
 
 
+# Grammar 2: narration sentences (not the first, no quotes) may get a lead-in and a tail drawn from
+# these, multiplying the distinct sentences (grammar 1: 36 % of sentences distinct over 20,000
+# stories). They spell no story-concept word in any form (the exact-tags test checks).
+LEADS = ("And ", "So ", "Well, ", "That day, ", "By then, ", "For a moment, ", "Without a word, ", "As usual, ",
+         "Once again, ", "In no time, ", "Of course, ", "To nobody's surprise, ", "Little by little, ",
+         "Right away, ", "Sure enough, ", "Just like that, ", "For the first time, ", "As always, ")
+TAILS = (" for a while", " for a long time", " all afternoon", " once more", " without a fuss", " in a flash",
+         " with a grin", " with a sigh", " before anyone noticed", " without looking back", " one step at a time",
+         " like never before", " again and again", " at the very same moment", " as the day went on",
+         " while the others watched", " as if by magic", " in the blink of an eye", " for no reason at all",
+         " just in time", " bit by bit", " after a long pause")
+GRAMMARS = (1, 2)
+
+
 @dataclass
 class Story:
     """One story under construction: its sentences and the story concepts it used."""
@@ -39,6 +53,7 @@ class Story:
     sentences: list[str] = field(default_factory=list)
     concepts: set[str] = field(default_factory=set)
     prompt: str = ""
+    grammar: int = 1
 
     def word(self, concept: str, plural: bool = False) -> str:
         """A word of `concept`, recorded in the story's tags."""
@@ -51,8 +66,22 @@ class Story:
         self.concepts.add(concept)
         return self.rng.choice(options)
 
-    def say(self, sentence: str) -> None:
+    def say(self, sentence: str, vary: bool = True) -> None:
+        """Add a sentence. Grammar 2 may give it a lead-in (not the opening, nor a sentence that
+        starts with one or with speech) and a tail (before a final full stop), unless not `vary`."""
+        if vary and self.grammar >= 2:
+            sentence = self._vary(sentence)
         self.sentences.append(sentence[0].upper() + sentence[1:])
+
+    def _vary(self, sentence: str) -> str:
+        rng = self.rng
+        first = sentence.split(" ", 1)[0]
+        if (self.sentences and rng.random() < 0.5 and (first in NAMES or first.islower())
+                and first not in ("but", "and", "so", "when", "at", "in", "from", "the")):
+            sentence = rng.choice(LEADS) + sentence
+        if rng.random() < 0.8 and sentence.endswith("."):
+            sentence = sentence[:-1] + rng.choice(TAILS) + "."
+        return sentence
 
     @property
     def text(self) -> str:
@@ -167,10 +196,13 @@ def _hero(story: Story, setting: str) -> tuple[str, str]:
     return name, story.word(name)
 
 
-def generate_story(seed: int, index: int) -> Story:
-    """Story `index` of `seed` (same inputs, same story)."""
+def generate_story(seed: int, index: int, grammar: int = 1) -> Story:
+    """Story `index` of `seed` (same inputs, same story). grammar 2 varies the narration (LEADS,
+    TAILS); grammar 1 is the one the bundled steerling-small was trained and evaluated on."""
+    if grammar not in GRAMMARS:
+        raise ValueError(f"grammar must be one of {GRAMMARS}, got {grammar}")
     rng = random.Random(seed * 1_000_003 + index)
-    s = Story(rng)
+    s = Story(rng, grammar=grammar)
     setting = rng.choice(SETTINGS).name
     hero_c, hero = _hero(s, setting)
     name = rng.choice(NAMES)
@@ -274,7 +306,7 @@ def generate_story(seed: int, index: int) -> Story:
         f"from that day on, {name} remembered that {line}.",
         f"and so {name} went home, knowing that {line}.",
         f"the moral of the story is that {line}.",
-    )))
+    )), vary=False)
     s.prompt = _prompt(s, setting, hero_c, rng)
     return s
 
