@@ -86,7 +86,7 @@ def distinct_sentence_share(grammar: int, n: int = 400) -> float:
 
 def test_stories_have_variety() -> None:
     one, two = distinct_sentence_share(1), distinct_sentence_share(2)
-    assert one > 0.5 and two > one + 0.05, (one, two)   # over 20,000 stories: 0.36 and 0.65
+    assert one > 0.5 and two > one + 0.05, (one, two)   # over 20,000 stories: 0.36 and 0.70
 
 
 # sha256 of grammar 1's stories 0..199 of seed 7, joined by newlines (before grammar 2 existed)

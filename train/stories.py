@@ -43,6 +43,22 @@ TAILS = (" for a while", " for a long time", " all afternoon", " once more", " w
          " while the others watched", " as if by magic", " in the blink of an eye", " for no reason at all",
          " just in time", " bit by bit", " after a long pause")
 GRAMMARS = (1, 2)
+SPEECH_MANNERS = ("softly", "with a smile", "from the path", "in a small voice", "loudly", "at once", "quietly",
+                  "from far away", "with a nod", "a little out of breath", "in a hurry", "without stopping",
+                  "from behind a rock", "with a puzzled look", "in a low voice", "with a friendly nod")
+QUESTIONS = ("What is that {obj}?", "What is that {adj} {obj}?", "Where did you find that {obj}?",
+             "Is that {adj} {obj} yours?", "Can I see the {obj}?", "What will you do with the {obj}?",
+             "Why do you have {article_obj}?", "Is that really {article_obj}?", "Who gave you the {adj} {obj}?",
+             "Have you ever seen {article_obj} like that?")
+
+
+def addressed(story: "Story", sentence: str, who: str) -> str:
+    """Grammar 2: a reply that names the one it answers ('"Of course, Pip," said Jack.'), when its
+    quote ends with a comma; grammar 1: unchanged."""
+    head, sep, rest = sentence.partition(',"')
+    if story.grammar < 2 or not sep or head.count('"') != 1:
+        return sentence
+    return f'{head}, {who},"{rest}'
 
 
 @dataclass
@@ -77,7 +93,7 @@ class Story:
         rng = self.rng
         first = sentence.split(" ", 1)[0]
         if (self.sentences and rng.random() < 0.5 and (first in NAMES or first.islower())
-                and first not in ("but", "and", "so", "when", "at", "in", "from", "the")):
+                and first not in ("but", "and", "so", "when", "at", "in", "from", "the", "every", "beyond")):
             sentence = rng.choice(LEADS) + sentence
         if rng.random() < 0.8 and sentence.endswith("."):
             sentence = sentence[:-1] + rng.choice(TAILS) + "."
@@ -262,13 +278,17 @@ def generate_story(seed: int, index: int, grammar: int = 1) -> Story:
     if rng.random() < 0.75:
         s.concepts.add("dialogue")
         hello = rng.choice(DIALOGUE_HELLO)
-        s.say(f'"{hello}," {rng.choice(ASK_VERBS)} {call}. "What is that {obj}?"')
-        s.say(rng.choice((
+        if s.grammar >= 2:   # the speakers address each other, and the question varies
+            question = rng.choice(QUESTIONS).format(obj=obj, adj=thing_adj, article_obj=article(obj))
+            s.say(f'"{hello}, {name}," {rng.choice(ASK_VERBS)} {call} {rng.choice(SPEECH_MANNERS)}. "{question}"')
+        else:
+            s.say(f'"{hello}," {rng.choice(ASK_VERBS)} {call}. "What is that {obj}?"')
+        s.say(addressed(s, rng.choice((
             f'"I found it near the {s.word(setting)}," {rng.choice(SAY_VERBS)} {name}.',
             f'"I do not know yet," {rng.choice(SAY_VERBS)} {name}. "Shall we find out together?"',
             f'"It is mine now," {rng.choice(SAY_VERBS)} {name}, holding it close.',
             f'"Come and see," {rng.choice(SAY_VERBS)} {name}.',
-        )))
+        )), fname or f"little {friend}"))
     # actions
     actions = [a for a in BY_NAME[setting].actions]
     rng.shuffle(actions)
@@ -305,7 +325,7 @@ def generate_story(seed: int, index: int, grammar: int = 1) -> Story:
         f"in the end, everything turned out well, and {name} learned that {line}.",
         f"from that day on, {name} remembered that {line}.",
         f"and so {name} went home, knowing that {line}.",
-        f"the moral of the story is that {line}.",
+        f"the moral of the story is that {line}." if s.grammar == 1 else f"the moral of {name}'s story is that {line}.",
     )), vary=False)
     s.prompt = _prompt(s, setting, hero_c, rng)
     return s
@@ -327,7 +347,7 @@ def _episode(s: Story, setting: str, name: str, he: str, his: str, call: str) ->
         if rng.random() < 0.6:
             s.concepts.add("dialogue")
             s.say(f'"Can you help me find the way to the {s.word(setting)}?" {rng.choice(ASK_VERBS)} the {other}.')
-            s.say(f'"Of course," {rng.choice(SAY_VERBS)} {name}.')
+            s.say(addressed(s, f'"Of course," {rng.choice(SAY_VERBS)} {name}.', f"little {other}"))
     else:
         obj2 = s.word(rng.choice(OBJECTS).name)
         s.say(rng.choice(CONNECT) + f", {call} showed {name} {article(rng.choice(ADJ_THING))} {obj2}" +

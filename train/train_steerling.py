@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data-budget-s", type=float, default=90.0, help="at most this much of it for data")
     ap.add_argument("--story-grammar", type=int, choices=(1, 2), default=1,
                     help="story grammar of a corpus built now (train/stories.py; 2 varies the narration: "
-                         "65 %% of sentences distinct over 20,000 stories, grammar 1 36 %%)")
+                         "70 %% of sentences distinct over 20,000 stories, grammar 1 36 %%)")
     ap.add_argument("--reserve-s", type=float, default=25.0, help="kept for evaluation and writing")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: by time)")
     ap.add_argument("--batch-size", type=int, default=0)
