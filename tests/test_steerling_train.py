@@ -161,3 +161,27 @@ def test_served_attribution_rank_loss_ranks_within_the_served_record_and_pushes_
             logits[i, j, labels[i, j]] = 50.0
     low = attribution_rank_loss(model, logits, tokens, labels, masked, served_k=k)
     assert float(low) < float(want) - 1.0, f"seed {seed}: {float(low)} vs {float(want)}"
+
+
+def test_flex_attention_mask_is_the_dense_noisy_clean_mask():
+    """The trainer's GPU attention (flex_attend) allows exactly what the dense mask SDPA uses does,
+    at every (query, key) of several shapes; and FlexAttention on the CPU with it equals SDPA."""
+    from train.steerling_objective import noisy_clean_mask, noisy_clean_mask_mod
+
+    for t, block in [(128, 64), (256, 64), (192, 32)]:
+        q = torch.arange(2 * t)[:, None].expand(2 * t, 2 * t)
+        k = torch.arange(2 * t)[None, :].expand(2 * t, 2 * t)
+        got = noisy_clean_mask_mod(t, block)(0, 0, q, k)
+        assert torch.equal(got, noisy_clean_mask(t, block, "cpu")), (t, block)
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    seed = int(torch.randint(0, 2**31, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    t, block = 128, 64
+    qh, kvh, d = 4, 2, 16
+    q, k, v = (torch.randn(1, h, 2 * t, d, generator=g) for h in (qh, kvh, kvh))
+    mask = create_block_mask(noisy_clean_mask_mod(t, block), None, None, 2 * t, 2 * t, device="cpu")
+    got = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=noisy_clean_mask(t, block, "cpu"),
+                                                            enable_gqa=True)
+    assert (got - want).abs().max() < 1e-5, f"seed {seed}: {(got - want).abs().max()}"

@@ -109,13 +109,8 @@ def noisy_clean_mask(seq_len: int, block: int, device: torch.device | str) -> Te
     return torch.cat([top, bottom], dim=0)
 
 
-def flex_attend(seq_len: int, block: int, device: torch.device | str):
-    """The [noisy | clean] mask of `noisy_clean_mask` as a compiled FlexAttention (GPU): only the
-    allowed 128 x 128 tiles are computed and no (2T, 2T) mask or score matrix is formed. With a
-    dense bool mask and grouped KV heads SDPA falls back to its math kernel, which materialised
-    fp32 scores of every head: the trainer's largest cost."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
+def noisy_clean_mask_mod(seq_len: int, block: int):
+    """`noisy_clean_mask` as a FlexAttention mask_mod (b, h, q, k) -> allowed."""
     t = seq_len
 
     def allowed(_b, _h, q, k):
@@ -125,7 +120,18 @@ def flex_attend(seq_len: int, block: int, device: torch.device | str):
         clean_row = ~k_noisy & (kb <= qb)
         return torch.where(q_noisy, noisy_row, clean_row)
 
-    mask = create_block_mask(allowed, None, None, 2 * t, 2 * t, device=device)
+    return allowed
+
+
+def flex_attend(seq_len: int, block: int, device: torch.device | str):
+    """The [noisy | clean] mask of `noisy_clean_mask` as a compiled FlexAttention (GPU): only the
+    allowed 128 x 128 tiles are computed and no (2T, 2T) mask or score matrix is formed. With a
+    dense bool mask and grouped KV heads SDPA falls back to its math kernel, which materialised
+    fp32 scores of every head: the trainer's largest cost."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    t = seq_len
+    mask = create_block_mask(noisy_clean_mask_mod(seq_len, block), None, None, 2 * t, 2 * t, device=device)
     fused = torch.compile(flex_attention, dynamic=False)
 
     def attend(_i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
