@@ -325,6 +325,9 @@ class IsdStrategy(DecodeStrategy):
             return f"request needs up to {worst} KV pages; the pool has {self.kv.pool.usable}"
         return None
 
+    # admission checks the first window's pages are free; `plan` allocates them with the window
+    admission_takes_pages = False
+
     def pages_to_admit(self, req: IsdRequest) -> int:
         return min(pages_for(req.kv_target + 2 * req.stride - 1), pages_for(req.max_extent()))
 

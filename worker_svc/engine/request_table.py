@@ -56,12 +56,17 @@ class TrackedRequest:
 class RequestHooks(Protocol):
     """What a decoder decides in a request's life through the table (its `DecodeStrategy`)."""
 
+    # True: an admitted request is given its `pages_to_admit` pages at once (Steerling: its
+    # block's page); False: admission only waits until they are free and the step's plan
+    # allocates them (ISD, whose next window may need more)
+    admission_takes_pages: bool
+
     def admission_refusal(self, req: TrackedRequest, idle: bool) -> str | None:
         """Why the request can never be admitted (it then finishes with an error), else None.
         idle: no request is running."""
 
     def pages_to_admit(self, req: TrackedRequest) -> int:
-        """Pages the request is given when it is admitted (it waits until that many are free)."""
+        """Pages that must be free to admit the request (see `admission_takes_pages`)."""
 
     def admission_stamp(self) -> int:
         """`admitted_at` of a request admitted now (preemption picks the largest)."""
@@ -97,7 +102,8 @@ class RequestTable:
 
     def admit(self) -> None:
         """Admit waiting requests in order while a slot is free and the pool has the pages the
-        hooks ask for (it is given them); one that can never fit finishes with an error."""
+        hooks ask for (given them when the hooks' `admission_takes_pages`); one that can never
+        fit finishes with an error."""
         s = self.hooks
         while self.waiting and self._free_slots:
             req = self.waiting[0]
@@ -122,7 +128,8 @@ class RequestTable:
                 self.queue_s_sum += time.perf_counter() - req.queued_at
                 req.queued_at = None
             self.running.append(req)
-            self.ensure_pages(req, need, may_preempt_itself=False)   # free: never preempts
+            if s.admission_takes_pages:
+                self.ensure_pages(req, need, may_preempt_itself=False)   # free: never preempts
             s.on_admit(req)
 
     def release(self, req: TrackedRequest) -> None:

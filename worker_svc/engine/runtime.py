@@ -141,6 +141,8 @@ class DecodeStrategy(ABC):
     every method but `execute` under its lock. It also keeps what both decoders count and
     share: forwards, compilations and the CUDA-graph cache, and the pinned result buffers."""
 
+    admission_takes_pages = True   # request_table.RequestHooks
+
     def __init__(self, device: torch.device):
         self.device = device
         self.forwards = 0       # device steps launched
