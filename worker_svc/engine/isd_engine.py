@@ -381,8 +381,8 @@ class IsdStrategy(DecodeStrategy):
     def plan_ahead(self, table: RequestTable, inflight: StepPlan[_Row | None]) -> StepPlan[_Row] | None:
         """The next step's rows if it can be launched before inflight's results are applied, else
         None. Only when it is sure to be the same requests' decode windows: nobody waiting (no
-        admission), every running request has exactly its decode row here, none cancelled,
-        none sure to end with this step (max_new_tokens), and pages for the next window
+        admission), every running request has exactly its decode row here (none is cancelled:
+        the runtime plans nothing ahead then), none sure to end with this step (max_new_tokens), and pages for the next window
         whatever this step accepts (up to N tokens further, 2N - 1 long) are free without
         preempting. A stop token can still end a request: its row in the next step is computed
         and dropped. Allocates those pages."""
@@ -394,7 +394,7 @@ class IsdStrategy(DecodeStrategy):
             if row is None or row.kind not in (COLD, VERIFY):
                 return None
             req = row.req
-            if req.cancel_requested or req.finished or len(req.out) + 1 >= req.options.max_new_tokens:
+            if req.finished or len(req.out) + 1 >= req.options.max_new_tokens:
                 return None
             wanted.append(pages_for(min(row.start + 3 * req.stride - 1, req.max_extent())))
         if sum(max(n - len(row.req.pages), 0) for row, n in zip(rows, wanted)) > self.kv.pool.free:

@@ -156,11 +156,11 @@ def plan_ahead(table: RequestTable, pool: PagePool, rows: list[BlockRow], mask_i
     and its next block's decode row, whose page is taken now; the request's last block
     ends it. Arrivals are admitted into the planned step, after those pages (None when
     the pool cannot give them without preempting). A cancel also waits for a step built
-    from the host. An <|eot_id|> or a stop id can still end a request early: its rows in
+    from the host (the runtime plans nothing ahead while a request is cancelled). An <|eot_id|> or a stop id can still end a request early: its rows in
     the next step are then dropped when applied."""
     running = table.running
     in_step = {id(r.req) for r in rows}
-    if in_step != {id(req) for req in running} or any(r.req.cancel_requested for r in rows):
+    if in_step != {id(req) for req in running}:
         return None
     decoded: dict[int, RowAhead] = {}          # id(req) -> its decode row's block and commits
     kv_after: dict[int, int] = {}
