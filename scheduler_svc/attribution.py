@@ -71,6 +71,7 @@ class AttributionSession:
         self.stop_ids = stop_ids
         self.history = history
         self._call = None
+        self._streamed_upto = -1   # the last block the open stream was given (its chunk state follows it)
 
     def _request(self, block: common_pb2.BlockCommitted, last: bool) -> attribution_pb2.AttributeRequest:
         return attribution_pb2.AttributeRequest(
@@ -83,6 +84,7 @@ class AttributionSession:
         resp = await asyncio.wait_for(self._call.read(), CALL_TIMEOUT_S)
         if resp is grpc.aio.EOF or resp.block_index != req.block_index:
             raise RuntimeError(f"attribution stream answered {resp!r} for block {req.block_index}")
+        self._streamed_upto = req.block_index
         return resp
 
     async def _open(self, before: int) -> None:
@@ -112,6 +114,10 @@ class AttributionSession:
     async def attribute(self, block: common_pb2.BlockCommitted, last: bool) -> attribution_pb2.AttributeResponse | None:
         for attempt in range(len(self.pool) + 1):
             try:
+                if self._call is not None and block.block_index <= self._streamed_upto:
+                    # asked again (its store failed, or a new attempt regenerated it): the stream's
+                    # chunk state is past it, so attribute it on a fresh stream replayed up to it
+                    self._drop()
                 if self._call is None:
                     await self._open(block.block_index)
                 return await self._exchange(self._request(block, last))
@@ -130,6 +136,7 @@ class AttributionSession:
         return None
 
     def _drop(self) -> None:
+        self._streamed_upto = -1
         if self._call is not None:
             self._call.cancel()
             self._call = None
