@@ -119,8 +119,14 @@ ATTRIBUTION_TOP_K_MAX = 64
 
 # ---- OpenAI fields accepted with one value only -------------------------------------------
 N_MAX = 1                       # n and best_of: one choice per request
-# logprobs / top_logprobs, presence_penalty, frequency_penalty, logit_bias: refused when set
-# (use attribution and repetition_penalty instead).
+# presence_penalty, frequency_penalty, logit_bias: refused when set (use repetition_penalty).
+
+# ---- logprobs and scoring given text (echo) ------------------------------------------------
+TOP_LOGPROBS_MAX = 20           # chat top_logprobs and completions logprobs: alternatives per token
+DEFAULT_MC_SAMPLES = 128        # block diffusion echo logprobs: the public package's mc_num
+MC_SAMPLES_MAX = 1024
+MC_BATCH_SIZE = 32              # masked copies per forward (the package's mc_batch_size)
+SCORE_QUEUE_MAX = 64            # scoring calls a worker holds (running + waiting) before RESOURCE_EXHAUSTED
 
 # ---- concept catalog --------------------------------------------------------------------
 SEARCH_QUERY_MAX_CHARS = 200
@@ -299,7 +305,10 @@ def documented_limits() -> tuple[Limit, ...]:
               "any other value is refused (use `repetition_penalty`)"),
         Limit("`seed`", f"[0, 2^64 - 1]", "server-chosen, reported as `cde.seed`"),
         Limit("`n`, `best_of`", f"{N_MAX}", f"{N_MAX}"),
-        Limit("`logprobs`, `top_logprobs`", "unset", "-", "refused when set (see `attribution`)"),
+        Limit("`logprobs` (completions), `top_logprobs` (chat)", f"[0, {TOP_LOGPROBS_MAX}]", "unset",
+              "block-diffusion models: completions with `echo` and `echo_context_tokens` only"),
+        Limit("`echo_context_tokens`", "[1, prompt tokens]", "-",
+              f"block diffusion echo logprobs: the context; {DEFAULT_MC_SAMPLES} masked copies, seeded by `seed`"),
         Limit("`stop`", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters", "none"),
         Limit("`stop_token_ids`", f"at most {MAX_STOP_IDS} vocabulary ids", "none"),
         Limit("`decode.tokens_per_step`", "[1, diffusion block size] (64)", f"{DEFAULT_TOKENS_PER_STEP}"),

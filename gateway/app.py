@@ -14,6 +14,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import grpc
@@ -28,11 +29,20 @@ from cde import limits
 from cde.rpc.v1 import common_pb2, generate_pb2, steering_pb2
 from gateway.auth import ApiKeyAuth
 from gateway.detok import StopStringMatcher, token_text
-from gateway.errors import GatewayError, invalid, openai_error_body
+from gateway.errors import GatewayError, invalid, openai_error_body, utf8_safe
 from gateway.metrics import CONTENT_TYPE
+from gateway.logprobs import Formatter as LogprobFormatter
+from gateway.logprobs import Scoring, chat_ask, completion_ask
 from gateway.pipeline import Pipeline
+from gateway.resolve import Prepared
 from gateway.middleware import AuthMiddleware, BodyLimitMiddleware
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationFields,
+    TokenizeRequest,
+)
 from gateway.stream import GenerationStream
 from gateway.ui import ui_router
 from gateway.translate import OpenAIFormatter, RestOptions, block_cde_json, chat_to_proto, completion_to_proto
@@ -109,9 +119,36 @@ def _error_finish(fin: common_pb2.Finished) -> GatewayError:
                         err_code="generation_failed")
 
 
-async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, opts: RestOptions) -> dict[str, Any]:
+@dataclass
+class Echo:
+    """What a completion returns before its generated text and tokens: the prompt (echo), and the
+    scoring that gives logprobs (None: no logprobs asked for)."""
+    text: str = ""
+    scoring: Scoring | None = None
+    formatter: LogprobFormatter | None = None
+
+    async def prompt_logprobs(self) -> dict[str, Any] | None:
+        if self.scoring is None or not self.scoring.ask.echo:
+            return None
+        return self.formatter.format(await self.scoring.prompt_entries())
+
+    async def output_logprobs(self, tokens: list[int]) -> dict[str, Any] | None:
+        if self.scoring is None:
+            return None
+        return self.formatter.format(await self.scoring.output_entries(tokens))
+
+
+def _merge_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
+
+
+async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, opts: RestOptions,
+                   echo: Echo) -> dict[str, Any]:
     stopper = StopStringMatcher(opts.stop_strings)
     text: list[str] = []
+    tokens: list[int] = []
     blocks: list[dict[str, Any]] = []
     tas: list[dict[str, Any]] = []
     cas: list[dict[str, Any]] = []
@@ -125,6 +162,7 @@ async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, o
         elif kind == "block":
             piece = stopper.feed(ev.block.text)
             text.append(piece)
+            tokens += ev.block.tokens
             bj = block_cde_json(fmt.tokenizer, ev.block)
             tas += bj.pop("token_attributions")
             cas += bj.pop("chunk_attributions")
@@ -139,16 +177,21 @@ async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, o
         ev = await stream.next()
     text.append(stopper.flush())
     cde = {**meta, "blocks": blocks, "token_attributions": tas, "chunk_attributions": cas}
-    return fmt.response("".join(text), reason, usage, cde)
+    body = fmt.response(echo.text + "".join(text), reason, usage, cde)
+    if echo.scoring is not None:
+        body["choices"][0]["logprobs"] = _merge_logprobs(
+            await echo.prompt_logprobs(), await echo.output_logprobs(tokens[:usage.completion_tokens]))
+    return body
 
 
 async def _sse_events(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, opts: RestOptions,
-                      on_error: Callable[[int], None]) -> AsyncIterator[str]:
+                      on_error: Callable[[int], None], echo: Echo) -> AsyncIterator[str]:
     """The response's SSE events. Events that are ready together go out as one body chunk (one
     socket write): a request's end (final chunk, usage, [DONE]) is one write, not three, which
     counts when a burst of requests ends in the same engine step."""
     stopper = StopStringMatcher(opts.stop_strings)
     sent_chars = 0   # of the response text, for usage after a stop string
+    sent_tokens = 0  # of its tokens, for logprobs after a stop string
     out: list[str] = []
     try:
         ev = first
@@ -156,15 +199,21 @@ async def _sse_events(stream: GenerationStream, first: Any, fmt: OpenAIFormatter
             kind = ev.WhichOneof("event")
             if kind == "accepted":
                 out.append(_sse(fmt.accepted_chunk(ev.accepted)))
+                if echo.text or echo.scoring is not None and echo.scoring.ask.echo:
+                    out.append(_sse(_with_logprobs(fmt.text_chunk(echo.text), await echo.prompt_logprobs())))
             elif kind == "step":
                 if opts.steps:
                     out.append(_sse(fmt.step_chunk(ev.step)))
             elif kind == "block":
                 piece = stopper.feed(ev.block.text)
                 sent_chars += len(piece)
-                out.append(_sse(fmt.block_chunk(ev.block, piece)))
-                if stopper.stopped:
-                    usage = _stop_usage(stream, sent_chars)
+                tokens = list(ev.block.tokens)
+                usage = _stop_usage(stream, sent_chars) if stopper.stopped else None
+                if usage is not None:
+                    tokens = tokens[:max(0, usage.completion_tokens - sent_tokens)]
+                sent_tokens += len(tokens)
+                out.append(_sse(_with_logprobs(fmt.block_chunk(ev.block, piece), await echo.output_logprobs(tokens))))
+                if usage is not None:
                     out.append(_sse(fmt.final_chunk("stop")))
                     if opts.include_usage:
                         out.append(_sse(fmt.usage_chunk(usage)))
@@ -189,6 +238,12 @@ async def _sse_events(stream: GenerationStream, first: Any, fmt: OpenAIFormatter
         stream.close()  # client gone or done: cancels the scheduler call if still open
     out.append("data: [DONE]\n\n")
     yield "".join(out)
+
+
+def _with_logprobs(chunk: dict[str, Any], logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    if logprobs is not None:
+        chunk["choices"][0]["logprobs"] = logprobs
+    return chunk
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -249,6 +304,7 @@ async def _generate(request: Request, body: GenerationFields,
     greq, opts = translated
     timer = pipeline.metrics.request()
     prepared = await pipeline.prepare(greq)
+    echo = _echo(pipeline, body, greq, prepared)
     stream = pipeline.open(prepared, timer)
     try:
         first = await stream.next()
@@ -261,10 +317,10 @@ async def _generate(request: Request, body: GenerationFields,
     if opts.stream:
         async def close() -> None:  # also runs when the client left before the body started
             stream.close()
-        return StreamingResponse(_sse_events(stream, first, fmt, opts, pipeline.metrics.failed),
+        return StreamingResponse(_sse_events(stream, first, fmt, opts, pipeline.metrics.failed, echo),
                                  media_type="text/event-stream", background=BackgroundTask(close),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    collector = asyncio.ensure_future(_collect(stream, first, fmt, opts))
+    collector = asyncio.ensure_future(_collect(stream, first, fmt, opts, echo))
     watcher = asyncio.ensure_future(_until_disconnect(request.receive))
     try:
         await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -275,6 +331,26 @@ async def _generate(request: Request, body: GenerationFields,
     finally:
         watcher.cancel()
         stream.close()
+
+
+def _echo(pipeline: Pipeline, body: GenerationFields, greq: generate_pb2.GenerateRequest, prepared: Prepared) -> Echo:
+    """The request's echo and logprobs, checked (400 naming the field) before it is submitted."""
+    model = pipeline.model
+    prompt = list(prepared.submit.prompt_tokens)
+    if isinstance(body, CompletionRequest):
+        ask = completion_ask(body.logprobs, body.echo, body.echo_context_tokens, model.causal, len(prompt))
+        text = ""
+        if body.echo:
+            text = greq.prompt if greq.WhichOneof("input") == "prompt" else \
+                model.tokenizer.decode(prompt, skip_special=False)
+    else:
+        assert isinstance(body, ChatCompletionRequest)
+        ask, text = chat_ask(body.logprobs, body.top_logprobs, model.causal), ""
+    if ask is None:
+        return Echo(text)
+    scoring = Scoring(pipeline.backends.scheduler, model.id, ask, prompt, prepared.seed,
+                      pipeline.limits.request_timeout_s or pipeline.limits.backend_timeout_s)
+    return Echo(text, scoring, LogprobFormatter(model.tokenizer, ask))
 
 
 @router.post("/v1/completions", tags=["generation"])
@@ -294,6 +370,59 @@ async def cancel(request: Request, request_id: str) -> dict[str, Any]:
     """Cancel a running generation by its id (the part after `cmpl-`/`chatcmpl-`)."""
     resp = await _pipeline(request).cancel(request_id)
     return {"id": request_id, "cancelled": resp.cancelled}
+
+
+# ---- tokenizer (vLLM's endpoints: lm-eval's "remote" tokenizer backend uses them) ----
+def _eos_id(tok: Any) -> int:
+    return tok.eos_id if hasattr(tok, "eos_id") else min(tok.stop_ids)
+
+
+@router.get("/tokenizer_info", tags=["tokenizer"])
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """The served tokenizer's special tokens and context (their spellings; text never encodes to
+    a special id here, so a client wanting an id reads it from `eos_token_id`)."""
+    model = _pipeline(request).model
+    tok = model.tokenizer
+    eos = _eos_id(tok)
+    bos = tok.bos_id if tok.bos_id >= 0 else None
+    return {"tokenizer_class": type(tok).__name__, "model_max_length": model.max_context,
+            "eos_token": token_text(tok, eos), "eos_token_id": eos,
+            "bos_token": token_text(tok, bos) if bos is not None else None, "bos_token_id": bos,
+            "pad_token": token_text(tok, tok.pad_id) if tok.pad_id >= 0 else None, "chat_template": None}
+
+
+@router.post("/tokenize", tags=["tokenizer"])
+async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
+    """Text -> the token ids a text prompt becomes (special spellings stay text, as in a prompt);
+    or `messages` -> the chat template's ids."""
+    pipeline = _pipeline(request)
+    pipeline.check_model(body.model or "")
+    tok = pipeline.model.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("exactly one of prompt or messages is required", "prompt")
+    if body.prompt is not None:
+        ids = tok.encode(utf8_safe(body.prompt))
+    else:
+        try:
+            ids = tok.apply_chat_template([{"role": "system" if m.role == "developer" else m.role,
+                                            "content": utf8_safe(m.text())} for m in body.messages],
+                                          add_generation_prompt=body.add_generation_prompt)
+        except ValueError as e:
+            raise invalid(str(e), "messages") from None
+    return {"count": len(ids), "max_model_len": pipeline.model.max_context, "tokens": ids}
+
+
+@router.post("/detokenize", tags=["tokenizer"])
+async def detokenize(request: Request, body: DetokenizeRequest) -> dict[str, Any]:
+    """Token ids -> text (special tokens spelled out)."""
+    pipeline = _pipeline(request)
+    pipeline.check_model(body.model or "")
+    tok = pipeline.model.tokenizer
+    bad = next((i for i, t in enumerate(body.tokens) if t >= tok.vocab_size), None)
+    if bad is not None:
+        raise invalid(f"tokens[{bad}]: id {body.tokens[bad]} is outside the vocabulary (< {tok.vocab_size})",
+                      f"tokens[{bad}]")
+    return {"prompt": tok.decode(body.tokens, skip_special=False)}
 
 
 # ---- catalog ----

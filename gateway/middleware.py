@@ -75,14 +75,20 @@ class BodyLimitMiddleware:
         return await self.app(scope, replay, send)
 
 
+# vLLM's tokenizer endpoints live at the root, where clients look for them; they take keys too
+KEYED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+
+
 class AuthMiddleware:
-    """Bearer API keys + per-key rate limit on /v1/*, checked before the body is even read."""
+    """Bearer API keys + per-key rate limit on /v1/* and the tokenizer endpoints, checked before
+    the body is even read."""
 
     def __init__(self, app: ASGIApp, auth: ApiKeyAuth, on_error: Callable[[int], None]) -> None:
         self.app, self.auth, self.on_error = app, auth, on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.auth.enabled and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and self.auth.enabled and (
+                scope["path"].startswith("/v1/") or scope["path"] in KEYED_ROOT_PATHS):
             header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
             try:
                 self.auth.check(header)

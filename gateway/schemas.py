@@ -44,6 +44,7 @@ from cde.limits import (
     TEMPERATURE_MAX,
     TEMPERATURE_MIN,
     THRESHOLD_MAX,
+    TOP_LOGPROBS_MAX,
     TOP_P_MAX,
     TOP_P_MIN,
     U32_MAX,
@@ -188,19 +189,24 @@ class GenerationFields(BaseModel):
 
 class CompletionRequest(GenerationFields):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | \
-        Annotated[list[Annotated[int, Field(ge=0, le=U32_MAX)]], Field(min_length=1)]
-    echo: bool = False
+        Annotated[list[Annotated[int, Field(ge=0, le=U32_MAX)]], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[Annotated[int, Field(ge=0, le=U32_MAX)]], Field(min_length=1)]],
+                  Field(min_length=1, max_length=1)]
+    echo: bool = Field(False, description="return the prompt before the completion (with its logprobs when "
+                                          "logprobs is set)")
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=N_MAX, description=f"{N_MAX} only")] | None = None
-    logprobs: int | None = Field(None, description="not supported: unset (see attribution)")
+    logprobs: Annotated[int, Field(ge=0, le=TOP_LOGPROBS_MAX, description=(
+        f"[0, {TOP_LOGPROBS_MAX}]: each token's logprob and this many most likely alternatives; "
+        "block-diffusion models: with echo only (see echo_context_tokens)"))] | None = None
+    # extension
+    echo_context_tokens: Annotated[int, Field(ge=1, le=U32_MAX, description=(
+        "block-diffusion models, echo + logprobs: how many leading prompt tokens are the context; the rest "
+        "is scored as the public package's lm-eval loglikelihood (a Monte Carlo ELBO, seeded by seed)"))] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported (see the 'attribution' extension)"
         return super().unsupported()
 
 
@@ -226,17 +232,32 @@ class ChatCompletionRequest(GenerationFields):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=U32_MAX, description="as max_tokens (wins over it)")] | \
         None = None
-    logprobs: bool | None = Field(None, description="not supported: false or unset (see attribution)")
-    top_logprobs: int | None = Field(None, description="not supported (logprobs is refused)")
+    logprobs: bool | None = Field(None, description="each generated token's logprob (causal models)")
+    top_logprobs: Annotated[int, Field(ge=0, le=TOP_LOGPROBS_MAX, description=(
+        f"[0, {TOP_LOGPROBS_MAX}] most likely alternatives per token; needs logprobs"))] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported (see the 'attribution' extension)"
         if self.tools or self.functions:
             return "tools", "tool calling is not supported"
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             return "response_format", "only response_format {'type': 'text'} is supported"
         return super().unsupported()
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1)] | None = None
+    add_special_tokens: bool = Field(False, description="accepted for vLLM clients; the ids are what a prompt "
+                                                        "becomes either way")
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=U32_MAX)]]

@@ -97,6 +97,8 @@ def completion_to_proto(body: CompletionRequest) -> tuple[generate_pb2.GenerateR
         req.prompt = utf8_safe(p)
     elif isinstance(p[0], str):
         req.prompt = utf8_safe(p[0])
+    elif isinstance(p[0], list):   # a batch of one token-id prompt (lm-eval's tokenized requests)
+        req.token_ids.ids.extend(p[0])
     else:
         req.token_ids.ids.extend(p)
     _common(body, req, body.max_tokens)

@@ -59,6 +59,7 @@ DEFAULT_PORT = 50051
 POLL_S = 0.1   # Resume of a request no run here streams: how often to look at Redis
 REDIS_WATCH_S = 0.25        # how often health pings Redis
 REDIS_PING_TIMEOUT_S = 1.0
+SCORE_ATTEMPTS = 3          # Score: workers tried before UNAVAILABLE
 # Trailing metadata on an error that ended the request itself (not a transport or Redis
 # hiccup): a client reattaching by itself must report it instead of retrying.
 REQUEST_ENDED_MD = "cde-request-ended"
@@ -469,6 +470,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not known:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"worker {request.worker_id!r} is not registered")
         return scheduler_pb2.WorkerAck(heartbeat_interval_ms=self.core.opts.heartbeat_ms)
+
+    async def Score(self, request, context):
+        """Relayed to a live worker of the model (the one with the most free pages: scoring takes
+        none, but it shares the worker's GPU); a worker that does not answer is left for another."""
+        await self._ready(context)
+        tried: set[str] = set()
+        last = "no worker serves it"
+        for _ in range(SCORE_ATTEMPTS):
+            left = context.time_remaining()
+            worker = await self.core.pool.wait_for(request.model, tried, min(left or 5.0, 5.0))
+            if worker is None or worker.worker_id in tried:
+                break
+            tried.add(worker.worker_id)
+            try:
+                return await worker.stub.Score(request, timeout=context.time_remaining())
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    await context.abort(e.code(), e.details() or "scoring failed")
+                last = f"worker {worker.worker_id}: {e.details()}"
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker scored the tokens ({last})")
 
     async def Stats(self, request, context):
         runs = list(self.core.runs.values())

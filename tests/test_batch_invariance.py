@@ -108,15 +108,18 @@ def test_a_requests_records_do_not_depend_on_its_company_or_a_replay(seed):
     model = make_model(seed, dtype=torch.float32)
     rng = random.Random(seed)
     x_prompt = [rng.randrange(256) for _ in range(40)]
-    x_opts = decode_options(200, sampling=SamplingParams(), tokens_per_step=4, seed=rng.randrange(1 << 40))
 
     def other(n_prompt: int, new: int = 200) -> tuple[list[int], DecodeOptions]:
         return [rng.randrange(256) for _ in range(n_prompt)], decode_options(new, sampling=SamplingParams(),
                                                                              tokens_per_step=4,
                                                                              seed=rng.randrange(1 << 40))
 
-    alone = _blocks(model, x_prompt, x_opts)
-    assert len(alone) >= 3, f"seed={seed}: only {len(alone)} blocks"
+    for _ in range(20):   # a random model may sample its end-of-text early: take a draw that runs 3+ blocks
+        x_opts = decode_options(200, sampling=SamplingParams(), tokens_per_step=4, seed=rng.randrange(1 << 40))
+        alone = _blocks(model, x_prompt, x_opts)
+        if len(alone) >= 3:
+            break
+    assert len(alone) >= 3, f"seed={seed}: 20 sampling seeds each ended X within 2 blocks"
     runs = {"beside longer requests": _blocks(model, x_prompt, x_opts, [other(300), other(10)], 3,
                                               [other(500), other(64, 64)])}
     for cut in range(1, min(3, len(alone))):

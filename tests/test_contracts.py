@@ -332,8 +332,23 @@ class Scheduler(scheduler_pb2_grpc.SchedulerServicer):
         _called("Scheduler", "Stats")
         return scheduler_pb2.StatsResponse(running=1, waiting=0, workers=list(self.workers.values()))
 
+    async def Score(self, request, context):
+        _called("Scheduler", "Score")
+        return _scores(request)
+
+
+def _scores(request: common_pb2.ScoreRequest) -> common_pb2.ScoreResponse:
+    out = common_pb2.ScoreResponse(total=-0.5 * (len(request.tokens) - request.score_from))
+    for t in request.tokens[request.score_from:]:
+        out.scores.add(logprob=-0.5, greedy=True, top_ids=[t], top_logprobs=[-0.5])
+    return out
+
 
 class Worker(worker_pb2_grpc.WorkerServicer):
+    async def Score(self, request, context):
+        _called("Worker", "Score")
+        return _scores(request)
+
     async def Submit(self, request, context):
         _called("Worker", "Submit")
         pos = len(request.prompt_tokens) + len(request.committed_tokens)
@@ -490,6 +505,10 @@ def test_every_rpc_through_the_generated_stubs():
             await sched.Heartbeat(info)
             stats = await sched.Stats(scheduler_pb2.StatsRequest())
             assert stats.workers[0].kv_pages_free == 5
+            score_req = common_pb2.ScoreRequest(model="tiny", tokens=[5, 6, 7, 8], score_from=1, top_logprobs=1,
+                                                seed=2**64 - 1, mc_samples=3)
+            scored = await sched.Score(score_req)
+            assert [s.top_ids[0] for s in scored.scores] == [6, 7, 8] and scored.total == -1.5
 
             steer = steering_pb2_grpc.SteeringStub(ch)
             hits = await steer.SearchConcepts(common_pb2.SearchConceptsRequest(query="ocean", limit=3, known_only=True))
@@ -523,6 +542,7 @@ def test_every_rpc_through_the_generated_stubs():
             assert (await worker.Cancel(common_pb2.CancelRequest(request_id="r1"))).cancelled
             status = await worker.Info(worker_pb2.WorkerStatusRequest())
             assert status.steps == 2**40 and status.n_known == 48
+            assert len((await worker.Score(score_req)).scores) == 3
 
             async def blocks():
                 for i in range(3):

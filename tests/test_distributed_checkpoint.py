@@ -631,8 +631,10 @@ def test_launcher_serves_the_distributed_directory(make_dir, tmp_path):
         steered = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=300,
                              json=body | {"steering": {"concepts": [{"id": 3}], "mode": "amplify"}})
         assert steered.status_code == 200, steered.text
-    tas = r.json()["cde"]["token_attributions"]
-    assert {a["position"]: a["token"] for a in tas} == want_tokens, f"seed {ck.seed}"
+        tas = r.json()["cde"]["token_attributions"]
+        # inside the stack: a failure prints the services' log tails
+        assert {a["position"]: a["token"] for a in tas} == want_tokens, \
+            f"seed {ck.seed}: {len(tas)} token attributions, blocks {r.json()['cde']['blocks']}"
     for a in tas:
         assert a["residual"] == pytest.approx(want_residual[a["position"]], abs=1e-3), f"seed {ck.seed}"
         assert len(a["top"]) == 12  # 4 recorded known + 8 discovered

@@ -402,6 +402,9 @@ def test_openapi_states_the_bounds(client: httpx.Client) -> None:
         ("DecodeIn", "tokens_per_step", {"minimum": 1}),
         ("DecodeIn", "threshold", {"exclusiveMinimum": 0.0, "maximum": L.THRESHOLD_MAX}),
         ("DecodeIn", "stride", {"maximum": L.MAX_STRIDE}),
+        ("CompletionRequest", "logprobs", {"minimum": 0, "maximum": L.TOP_LOGPROBS_MAX}),
+        ("ChatCompletionRequest", "top_logprobs", {"minimum": 0, "maximum": L.TOP_LOGPROBS_MAX}),
+        ("CompletionRequest", "echo_context_tokens", {"minimum": 1}),
     ]
     for model, name, bounds in expected:
         p = prop(model, name)
@@ -414,8 +417,7 @@ def test_openapi_states_the_bounds(client: httpx.Client) -> None:
     assert "max-tokens-limit" in prop("CompletionRequest", "max_tokens")["description"]
     stop = schemas["CompletionRequest"]["properties"]["stop"]
     assert f"at most {L.MAX_STOP_STRINGS} strings" in stop["description"]
-    for model, name in (("CompletionRequest", "logprobs"), ("ChatCompletionRequest", "logprobs"),
-                        ("CompletionRequest", "presence_penalty"), ("CompletionRequest", "frequency_penalty")):
+    for model, name in (("CompletionRequest", "presence_penalty"), ("CompletionRequest", "frequency_penalty")):
         assert "not supported" in schemas[model]["properties"][name]["description"], (model, name)
     params = {p["name"]: p for p in spec["paths"]["/v1/concepts"]["get"]["parameters"]}
     limit = params["limit"]["schema"]

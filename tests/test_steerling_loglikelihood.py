@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cde.steerling.config import TINY
-from cde.steerling.loglikelihood import mc_loglikelihood
+from cde.steerling.loglikelihood import mc_loglikelihood, mc_token_shares
 from cde.steerling.model import SteerlingModel
 from tests.oracle import build_oracle
 
@@ -70,3 +70,22 @@ def test_mc_loglikelihood_edge_cases(models):
     few = [mc_loglikelihood(ours, [5, 6, 7], [8, 9, 10, 11], mc_num=2, generator=g) for _ in range(12)]
     many = [mc_loglikelihood(ours, [5, 6, 7], [8, 9, 10, 11], mc_num=64, generator=g) for _ in range(12)]
     assert torch.tensor(many).std() < torch.tensor(few).std(), (few, many)
+
+
+@pytest.mark.parity
+def test_token_shares_add_up_to_the_estimate(models, seed):
+    """What echo serves per token (`mc_token_shares`) sums to `mc_loglikelihood` from the same
+    draws, and every share is minus a sum of non-negative terms."""
+    _, ours = models
+    rng = random.Random(seed)
+    for ctx_len, cont_len in [(3, 1), (9, 30), (70, 20)]:
+        ctx = [rng.randrange(256) for _ in range(ctx_len)]
+        cont = [rng.randrange(256) for _ in range(cont_len)]
+        draw = rng.randrange(1 << 30)
+        want = mc_loglikelihood(ours, ctx, cont, mc_num=40, mc_batch_size=16,
+                                generator=torch.Generator().manual_seed(draw))
+        shares = mc_token_shares(ours, ctx, cont, mc_num=40, mc_batch_size=16,
+                                 generator=torch.Generator().manual_seed(draw))
+        tag = f"seed={seed} draw={draw} context {ctx_len} continuation {cont_len}"
+        assert len(shares) == cont_len and all(s <= 0 for s in shares), tag
+        assert abs(sum(shares) - want) <= 1e-5 * max(1.0, abs(want)), f"{tag}: {sum(shares)} vs {want}"

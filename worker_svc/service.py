@@ -43,6 +43,7 @@ from worker_svc.engine.async_engine import AsyncEngine
 from worker_svc.engine.events import FinishEvent
 from worker_svc.engine.runtime import EngineRuntime
 from worker_svc.family import ModelFamily
+from worker_svc.scoring import Scorer
 from worker_svc.validation import BadRequest
 
 log = logging.getLogger("worker_svc")
@@ -54,8 +55,9 @@ DEFAULT_PORT = 50081
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, front: AsyncEngine, family: ModelFamily, model_name: str, token_limit: int, dtype: str,
-                 device: str):
+                 device: str, scorer: Scorer):
         self.front = front
+        self.scorer = scorer
         self.family = family
         self.engine: EngineRuntime = front.engine
         self.model_name = model_name
@@ -114,6 +116,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.request_id not in self.engine.requests:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {request.request_id!r} is not on this worker")
         return common_pb2.CancelResponse(cancelled=self.front.cancel(request.request_id))
+
+    async def Score(self, request, context):
+        if request.model and request.model != self.model_name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
+        try:
+            return await self.scorer.score(request)
+        except BadRequest as e:
+            await context.abort(e.code, str(e))
 
     async def Info(self, request, context):
         stats = self.front.stats()
@@ -233,6 +243,7 @@ class WorkerServer:
                 await self.registrar_task
         await self.health.set_serving(False)
         await self.server.stop(grace)
+        self.servicer.scorer.close()
         await asyncio.to_thread(self.front.stop)
 
 
@@ -268,6 +279,7 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
                                           compile=opts.compile, tokenizer_vocab_size=token_limit,
                                           never_output_ids=tuple(chat_tokenizer.unassigned_ids()))
         family: ModelFamily = CausalFamily(engine, token_limit)
+        scorer = Scorer(model, True, token_limit, model.cfg.max_positions)
     else:
         from cde.steerling.loading import load_model
         from cde.steerling.tokenizer import load_model_tokenizer
@@ -288,8 +300,9 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
                                  n_pages=opts.kv_pages, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
                                  capture_rows=opts.capture_rows)
         family = BlockDiffusionFamily(engine, token_limit, model_name)
+        scorer = Scorer(model, False, token_limit, model.cfg.block_size)
     front = AsyncEngine(engine)
-    servicer = WorkerServicer(front, family, model_name, token_limit, opts.dtype, opts.device)
+    servicer = WorkerServicer(front, family, model_name, token_limit, opts.dtype, opts.device, scorer)
     gate = DrainGate()
     server, health = await make_server([service_name(worker_pb2, "Worker")], interceptors=[gate])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

@@ -86,3 +86,40 @@ def mc_loglikelihood(model: SteerlingModel, context: list[int], continuation: li
         total += (ce / rate[masked]).sum() / bsz
         batches += 1
     return -(total / batches).item() if batches else 0.0
+
+
+@torch.no_grad()
+def mc_token_shares(model: SteerlingModel, context: list[int], continuation: list[int], *,
+                    mc_num: int = DEFAULT_MC_NUM, mc_batch_size: int = DEFAULT_MC_BATCH_SIZE,
+                    generator: torch.Generator | None = None, cfg_scale: float = 0.0) -> list[float]:
+    """`mc_loglikelihood`'s estimate split over the continuation's tokens, from the same draws:
+    token j's share is minus its (cross-entropy / mask rate) terms over every copy that masked it,
+    scaled as the estimate scales the sum, so the shares add up to the estimate (float64 sums;
+    the package sums in float32 in another order: they agree to rounding). What the server
+    returns as a block-diffusion model's echo logprobs."""
+    if mc_num < 1 or mc_batch_size < 1:
+        raise ValueError(f"mc_num and mc_batch_size must be >= 1, got {mc_num} and {mc_batch_size}")
+    if not continuation:
+        return []
+    device = next(model.parameters()).device
+    seq = torch.tensor(list(context) + list(continuation), dtype=torch.long, device=device)
+    prompt_len, mask_id = len(context), model.cfg.mask_id
+    per_token = torch.zeros(seq.shape[0], dtype=torch.float64, device=device)
+    batches, done = 0, 0
+    while done < mc_num:
+        bsz = min(mc_batch_size, mc_num - done)
+        noisy, rate = masked_copies(seq, prompt_len, bsz, mask_id, generator)
+        done += bsz
+        masked = noisy == mask_id
+        if not masked.any():
+            continue
+        logits = _logits(model, noisy, prompt_len, cfg_scale)
+        truth = seq.unsqueeze(0).expand(bsz, -1)
+        ce = F.cross_entropy(logits[masked].float(), truth[masked], reduction="none")
+        terms = torch.zeros(masked.shape, dtype=torch.float64, device=device)
+        terms[masked] = (ce / rate[masked]).double()
+        per_token += terms.sum(0) / bsz
+        batches += 1
+    if not batches:
+        return [0.0] * len(continuation)
+    return (-(per_token[prompt_len:] / batches)).tolist()

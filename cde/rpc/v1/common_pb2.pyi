@@ -325,3 +325,39 @@ class CancelResponse(_message.Message):
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     cancelled: bool
     def __init__(self, cancelled: bool = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("model", "tokens", "score_from", "top_logprobs", "seed", "mc_samples")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FROM_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MC_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    score_from: int
+    top_logprobs: int
+    seed: int
+    mc_samples: int
+    def __init__(self, model: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., score_from: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., seed: _Optional[int] = ..., mc_samples: _Optional[int] = ...) -> None: ...
+
+class TokenScore(_message.Message):
+    __slots__ = ("logprob", "greedy", "top_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    greedy: bool
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., greedy: bool = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "total")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[TokenScore]
+    total: float
+    def __init__(self, scores: _Optional[_Iterable[_Union[TokenScore, _Mapping]]] = ..., total: _Optional[float] = ...) -> None: ...

@@ -75,6 +75,11 @@ class SchedulerStub(object):
                 request_serializer=cde_dot_v1_dot_scheduler__pb2.StatsRequest.SerializeToString,
                 response_deserializer=cde_dot_v1_dot_scheduler__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/cde.v1.Scheduler/Score',
+                request_serializer=cde_dot_v1_dot_common__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=cde_dot_v1_dot_common__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer(object):
@@ -131,6 +136,13 @@ class SchedulerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Logprobs of given tokens, answered by a live worker of the model (tried on another if it fails).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +180,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=cde_dot_v1_dot_scheduler__pb2.StatsRequest.FromString,
                     response_serializer=cde_dot_v1_dot_scheduler__pb2.StatsResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=cde_dot_v1_dot_common__pb2.ScoreRequest.FromString,
+                    response_serializer=cde_dot_v1_dot_common__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +376,33 @@ class Scheduler(object):
             '/cde.v1.Scheduler/Stats',
             cde_dot_v1_dot_scheduler__pb2.StatsRequest.SerializeToString,
             cde_dot_v1_dot_scheduler__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cde.v1.Scheduler/Score',
+            cde_dot_v1_dot_common__pb2.ScoreRequest.SerializeToString,
+            cde_dot_v1_dot_common__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,11 @@ class WorkerStub(object):
                 request_serializer=cde_dot_v1_dot_worker__pb2.WorkerStatusRequest.SerializeToString,
                 response_deserializer=cde_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/cde.v1.Worker/Score',
+                request_serializer=cde_dot_v1_dot_common__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=cde_dot_v1_dot_common__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer(object):
@@ -80,6 +85,13 @@ class WorkerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Logprobs of given tokens (common.proto's ScoreRequest); INVALID_ARGUMENT naming the field.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +109,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=cde_dot_v1_dot_worker__pb2.WorkerStatusRequest.FromString,
                     response_serializer=cde_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=cde_dot_v1_dot_common__pb2.ScoreRequest.FromString,
+                    response_serializer=cde_dot_v1_dot_common__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +197,33 @@ class Worker(object):
             '/cde.v1.Worker/Info',
             cde_dot_v1_dot_worker__pb2.WorkerStatusRequest.SerializeToString,
             cde_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cde.v1.Worker/Score',
+            cde_dot_v1_dot_common__pb2.ScoreRequest.SerializeToString,
+            cde_dot_v1_dot_common__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
