@@ -118,7 +118,8 @@ DEFAULT_ATTRIBUTION_TOP_K = 8
 ATTRIBUTION_TOP_K_MAX = 64
 
 # ---- OpenAI fields accepted with one value only -------------------------------------------
-N_MAX = 1                       # n and best_of: one choice per request
+N_MAX = 16                      # n: choices per request (each its own scheduler request)
+BEST_OF_MAX = 1                 # best_of: not served beyond 1
 # presence_penalty, frequency_penalty, logit_bias: refused when set (use repetition_penalty).
 
 # ---- logprobs and scoring given text (echo) ------------------------------------------------
@@ -304,7 +305,8 @@ def documented_limits() -> tuple[Limit, ...]:
         Limit("`presence_penalty`, `frequency_penalty`, `logit_bias`", "0 / unset", "-",
               "any other value is refused (use `repetition_penalty`)"),
         Limit("`seed`", f"[0, 2^64 - 1]", "server-chosen, reported as `cde.seed`"),
-        Limit("`n`, `best_of`", f"{N_MAX}", f"{N_MAX}"),
+        Limit("`n`", f"[1, {N_MAX}]", "1", "choice i runs with seed + i (mod 2^64)"),
+        Limit("`best_of`", f"{BEST_OF_MAX}", f"{BEST_OF_MAX}"),
         Limit("`logprobs` (completions), `top_logprobs` (chat)", f"[0, {TOP_LOGPROBS_MAX}]", "unset",
               "block-diffusion models: completions with `echo` and `echo_context_tokens` only"),
         Limit("`echo_context_tokens`", "[1, prompt tokens]", "-",

@@ -31,6 +31,7 @@ from gateway.auth import ApiKeyAuth
 from gateway.detok import StopStringMatcher, token_text
 from gateway.errors import GatewayError, invalid, openai_error_body, utf8_safe
 from gateway.metrics import CONTENT_TYPE
+from gateway.choices import choice_requests, merged_batches, merged_response
 from gateway.logprobs import Formatter as LogprobFormatter
 from gateway.logprobs import Scoring, chat_ask, completion_ask
 from gateway.pipeline import Pipeline
@@ -184,26 +185,25 @@ async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, o
     return body
 
 
-async def _sse_events(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, opts: RestOptions,
-                      on_error: Callable[[int], None], echo: Echo) -> AsyncIterator[str]:
-    """The response's SSE events. Events that are ready together go out as one body chunk (one
-    socket write): a request's end (final chunk, usage, [DONE]) is one write, not three, which
-    counts when a burst of requests ends in the same engine step."""
+async def _sse_batches(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, opts: RestOptions,
+                       on_error: Callable[[int], None], echo: Echo) -> AsyncIterator[tuple[list[dict[str, Any]], bool]]:
+    """One choice's SSE objects in batches, each (objects ready together, is it the last): the
+    next batch needs a wait. An error after the headers are out is the last batch's in-band error."""
     stopper = StopStringMatcher(opts.stop_strings)
     sent_chars = 0   # of the response text, for usage after a stop string
     sent_tokens = 0  # of its tokens, for logprobs after a stop string
-    out: list[str] = []
+    out: list[dict[str, Any]] = []
     try:
         ev = first
         while ev is not None:
             kind = ev.WhichOneof("event")
             if kind == "accepted":
-                out.append(_sse(fmt.accepted_chunk(ev.accepted)))
+                out.append(fmt.accepted_chunk(ev.accepted))
                 if echo.text or echo.scoring is not None and echo.scoring.ask.echo:
-                    out.append(_sse(_with_logprobs(fmt.text_chunk(echo.text), await echo.prompt_logprobs())))
+                    out.append(_with_logprobs(fmt.text_chunk(echo.text), await echo.prompt_logprobs()))
             elif kind == "step":
                 if opts.steps:
-                    out.append(_sse(fmt.step_chunk(ev.step)))
+                    out.append(fmt.step_chunk(ev.step))
             elif kind == "block":
                 piece = stopper.feed(ev.block.text)
                 sent_chars += len(piece)
@@ -212,32 +212,43 @@ async def _sse_events(stream: GenerationStream, first: Any, fmt: OpenAIFormatter
                 if usage is not None:
                     tokens = tokens[:max(0, usage.completion_tokens - sent_tokens)]
                 sent_tokens += len(tokens)
-                out.append(_sse(_with_logprobs(fmt.block_chunk(ev.block, piece), await echo.output_logprobs(tokens))))
+                out.append(_with_logprobs(fmt.block_chunk(ev.block, piece), await echo.output_logprobs(tokens)))
                 if usage is not None:
-                    out.append(_sse(fmt.final_chunk("stop")))
+                    out.append(fmt.final_chunk("stop"))
                     if opts.include_usage:
-                        out.append(_sse(fmt.usage_chunk(usage)))
+                        out.append(fmt.usage_chunk(usage))
                     break
             elif kind == "finished":
                 tail = stopper.flush()
                 if tail:
-                    out.append(_sse(fmt.text_chunk(tail)))
+                    out.append(fmt.text_chunk(tail))
                 if ev.finished.reason == common_pb2.FINISH_REASON_ERROR:
                     raise _error_finish(ev.finished)
-                out.append(_sse(fmt.final_chunk(stream.finish_reason or "stop")))
+                out.append(fmt.final_chunk(stream.finish_reason or "stop"))
                 if opts.include_usage:
-                    out.append(_sse(fmt.usage_chunk(ev.finished.usage)))
+                    out.append(fmt.usage_chunk(ev.finished.usage))
             if out and not stream.done:   # the next event needs a wait: send what is ready first
-                yield "".join(out)
-                out.clear()
+                yield out, False
+                out = []
             ev = await stream.next()
     except GatewayError as e:  # headers are out: report in-band, like OpenAI does
         on_error(e.http_status)
-        out.append(_sse(e.body()))
+        out.append(e.body())
     finally:
         stream.close()  # client gone or done: cancels the scheduler call if still open
-    out.append("data: [DONE]\n\n")
-    yield "".join(out)
+    yield out, True
+
+
+async def _sse_events(batches: AsyncIterator[tuple[list[dict[str, Any]], bool]]) -> AsyncIterator[str]:
+    """The response's SSE body. Events that are ready together go out as one body chunk (one
+    socket write): a request's end (final chunk, usage, [DONE]) is one write, not three, which
+    counts when a burst of requests ends in the same engine step."""
+    async for batch, last in batches:
+        body = "".join(_sse(o) for o in batch)
+        if last:
+            yield body + "data: [DONE]\n\n"
+            return
+        yield body
 
 
 def _with_logprobs(chunk: dict[str, Any], logprobs: dict[str, Any] | None) -> dict[str, Any]:
@@ -304,33 +315,44 @@ async def _generate(request: Request, body: GenerationFields,
     greq, opts = translated
     timer = pipeline.metrics.request()
     prepared = await pipeline.prepare(greq)
-    echo = _echo(pipeline, body, greq, prepared)
-    stream = pipeline.open(prepared, timer)
+    runs = [(p, _echo(pipeline, body, greq, p)) for p in choice_requests(prepared, body.n)]
+    streams = [pipeline.open(p, timer if i == 0 else None) for i, (p, _) in enumerate(runs)]
     try:
-        first = await stream.next()
+        firsts = [await s.next() for s in streams]
     except BaseException:
-        stream.close()
+        for s in streams:
+            s.close()
         raise
     model = pipeline.model
-    fmt = OpenAIFormatter(model.tokenizer, model.id, prepared.submit.request_id, opts.chat, opts.include_usage,
-                          isd=model.causal)
+    fmts = [OpenAIFormatter(model.tokenizer, model.id, p.submit.request_id, opts.chat, opts.include_usage,
+                            isd=model.causal) for p, _ in runs]
+
+    def close_all() -> None:
+        for s in streams:
+            s.close()
+
     if opts.stream:
+        gens = [_sse_batches(s, f, fmt, opts, pipeline.metrics.failed, echo)
+                for s, f, fmt, (_, echo) in zip(streams, firsts, fmts, runs)]
+
         async def close() -> None:  # also runs when the client left before the body started
-            stream.close()
-        return StreamingResponse(_sse_events(stream, first, fmt, opts, pipeline.metrics.failed, echo),
+            close_all()
+        return StreamingResponse(_sse_events(gens[0] if len(gens) == 1 else merged_batches(gens, opts.include_usage, fmts[0].id)),
                                  media_type="text/event-stream", background=BackgroundTask(close),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    collector = asyncio.ensure_future(_collect(stream, first, fmt, opts, echo))
+    collector = asyncio.ensure_future(asyncio.gather(*(
+        _collect(s, f, fmt, opts, echo) for s, f, fmt, (_, echo) in zip(streams, firsts, fmts, runs))))
     watcher = asyncio.ensure_future(_until_disconnect(request.receive))
     try:
         await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not collector.done():  # client left: stop generating for nobody
             collector.cancel()
             return Response(status_code=499)
-        return JSONResponse(collector.result())
+        bodies = collector.result()
+        return JSONResponse(bodies[0] if len(bodies) == 1 else merged_response(bodies))
     finally:
         watcher.cancel()
-        stream.close()
+        close_all()
 
 
 def _echo(pipeline: Pipeline, body: GenerationFields, greq: generate_pb2.GenerateRequest, prepared: Prepared) -> Echo:

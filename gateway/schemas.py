@@ -20,6 +20,7 @@ from cde import limits as L
 from cde.limits import (
     AMPLIFY_TARGET,
     ATTRIBUTION_TOP_K_MAX,
+    BEST_OF_MAX,
     CONCEPT_NAME_MAX,
     CUTOFF_MAX,
     CUTOFF_MIN,
@@ -157,7 +158,8 @@ class GenerationFields(BaseModel):
                       f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters"))
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=N_MAX, description=f"choices per request: {N_MAX}")] = 1
+    n: Annotated[int, Field(ge=1, le=N_MAX, description=(
+        f"choices, [1, {N_MAX}]; choice i runs with seed + i (mod 2^64)"))] = 1
     user: str | None = None
     presence_penalty: float | None = Field(None, description="not supported: 0 or unset (use repetition_penalty)")
     frequency_penalty: float | None = Field(None, description="not supported: 0 or unset (use repetition_penalty)")
@@ -195,7 +197,7 @@ class CompletionRequest(GenerationFields):
     echo: bool = Field(False, description="return the prompt before the completion (with its logprobs when "
                                           "logprobs is set)")
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1, le=N_MAX, description=f"{N_MAX} only")] | None = None
+    best_of: Annotated[int, Field(ge=1, le=BEST_OF_MAX, description=f"{BEST_OF_MAX} only")] | None = None
     logprobs: Annotated[int, Field(ge=0, le=TOP_LOGPROBS_MAX, description=(
         f"[0, {TOP_LOGPROBS_MAX}]: each token's logprob and this many most likely alternatives; "
         "block-diffusion models: with echo only (see echo_context_tokens)"))] | None = None

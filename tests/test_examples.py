@@ -20,7 +20,7 @@ from cde.launch import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, ROOT, client_hint
 from tests.stack_fixture import running_stack
 
 EXAMPLES = ROOT / "examples"
-STEERLING_EXAMPLES = ["rest_curl.sh", "openai_client.py", "cli.sh", "grpc_resume.py"]
+STEERLING_EXAMPLES = ["rest_curl.sh", "openai_client.py", "cli.sh", "grpc_resume.py", "lm_eval.sh"]
 CAUSAL_EXAMPLES = ["rest_causal_curl.sh"]
 IDLM_TINY = ROOT / "models" / "idlm-tiny"
 
@@ -162,6 +162,18 @@ def test_grpc_example_reads_its_target(steerling_stack):
     assert proc.returncode != 0 and "UNAVAILABLE" in proc.stderr, proc.stderr[-2000:]
 
 
+def _lm_eval_acc(out: str) -> float:
+    row = re.search(r"^\|cde_story_next\s*\|.*?\|acc\s*\|[^|]*\|\s*([\d.]+)\|", out, re.M)
+    assert row, out[-2000:]
+    return float(row.group(1))
+
+
+def test_lm_eval_example(steerling_stack):
+    """lm-eval through cde-completions against steerling-small: 2 items (8 loglikelihood requests)."""
+    out = run_example("lm_eval.sh", stack_env(steerling_stack) | {"CDE_LIMIT": "2"}).stdout
+    assert 0.0 <= _lm_eval_acc(out) <= 1.0 and "cde-completions" in out, out[-2000:]
+
+
 def test_steerling_start_hint_runs(steerling_stack):
     proc = run_hint(client_hint(steerling_stack.base_url, causal=False))
     assert proc.returncode == 0 and "[chunk " in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -177,3 +189,7 @@ def test_causal_stack_hint_and_example(tmp_path):
         assert wrong.returncode == 1 and "error 400" in wrong.stderr, wrong.stdout[-1000:] + wrong.stderr[-1000:]
         out = json.loads(run_example("rest_causal_curl.sh", stack_env(stack)).stdout)
         assert out["choices"][0]["finish_reason"] in ("stop", "length") and out["cde"]["forwards"] > 0, out
+        # lm-eval's own local-completions, remote tokenizer (the README's causal lm-eval command)
+        lm = run_example("lm_eval.sh", stack_env(stack) | {"CDE_LIMIT": "2", "CDE_FAMILY": "causal",
+                                                           "CDE_MODEL": "idlm-tiny"}).stdout
+        assert 0.0 <= _lm_eval_acc(lm) <= 1.0 and "local-completions" in lm, lm[-2000:]

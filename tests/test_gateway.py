@@ -477,7 +477,7 @@ BAD_REQUESTS = [
     ("prompt not text", "/v1/completions", {"prompt": 123}, 422, None),
     ("missing prompt", "/v1/completions", {"max_tokens": 3}, 422, "prompt"),
     ("unknown model", "/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
-    ("n > 1", "/v1/completions", {"prompt": "Hi", "n": 2}, 400, "n"),
+    ("n above its limit", "/v1/completions", {"prompt": "Hi", "n": 17}, 400, "n"),
     ("ISD stride", "/v1/completions", {"prompt": "Hi", "decode": {"stride": 4}}, 400, "decode.stride"),
     ("tokens per step", "/v1/completions", {"prompt": "Hi", "decode": {"tokens_per_step": 65}}, 400, None),
     ("stop id", "/v1/completions", {"prompt": "Hi", "stop_token_ids": [9999]}, 400, "stop_token_ids"),
