@@ -179,9 +179,11 @@ class SteerlingModel(nn.Module):
         positions: Tensor,
         attend: AttendFn,
         steering: SteeringInputs | None = None,
+        embeds: Tensor | None = None,
     ) -> Tensor:
-        """Final hidden states (after ln_f), (B, T, D). positions (B, T) are absolute."""
-        x = self.transformer.tok_emb(tokens)
+        """Final hidden states (after ln_f), (B, T, D). positions (B, T) are absolute. `embeds`
+        (B, T, D) replaces the token embeddings (input attribution's interpolated inputs)."""
+        x = self.transformer.tok_emb(tokens) if embeds is None else embeds
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         coefs = None
