@@ -37,14 +37,14 @@ def census(concurrency: int, steps: int, prompt_tokens: int = 128, new_tokens: i
     keys: list[tuple] = []
     launched = [0]
     strategy = engine.strategy
-    execute = strategy._execute_device
+    execute = strategy.device_step
 
     def recording(rb, pb, hb, layout, fwd, smp):
         launched[0] += 1
         keys.extend(graph_keys(rb, pb, layout.tokens_per_step, hb, strategy.capture_rows))
         return execute(rb, pb, hb, layout, fwd, smp)
 
-    strategy._execute_device = recording
+    strategy.device_step = recording
     rng = random.Random(seed)
     n = 0
 

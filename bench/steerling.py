@@ -294,7 +294,7 @@ def main() -> None:
     def make_engine(compile_: bool) -> SteerlingEngine:
         eng = SteerlingEngine(model, tokenizer_vocab_size=None, max_slots=max(concs + [64]), n_pages=args.max_pages,
                      compile=compile_, cuda_graphs=cuda, overlap=not args.no_overlap)
-        eng.strategy._execute_device = timer.wrap(eng.strategy._execute_device)
+        eng.strategy.device_step = timer.wrap(eng.strategy.device_step)
         return eng
 
     compiled = cuda and not args.no_compile

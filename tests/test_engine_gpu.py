@@ -101,7 +101,7 @@ def test_a_request_arriving_before_the_plan_point_joins_the_next_step_and_output
     handles = {"j0": engine.submit(Job("j0", *jobs[0]))}
     arrivals = [(f"j{i}", jobs[i]) for i in range(1, 4)]
     joined_next = []
-    execute = engine.strategy._execute_device
+    execute = engine.strategy.device_step
 
     class SubmitsWhileWaiting:
         """The plan point, submitting the next arrival when the step loop starts waiting on it."""
@@ -120,7 +120,7 @@ def test_a_request_arriving_before_the_plan_point_joins_the_next_step_and_output
         out, point = execute(*a)
         return out, (SubmitsWhileWaiting(point) if point is not None else None)
 
-    engine.strategy._execute_device = with_arrivals
+    engine.strategy.device_step = with_arrivals
     waited = []
     before = engine.stats().late_plans
     for _ in range(2000):

@@ -25,13 +25,13 @@ from worker_svc.engine.steerling_graphs import capture_plan, graph_keys, head_bu
 def _recording(engine: SteerlingEngine) -> list[tuple]:
     keys: list[tuple] = []
     strategy = engine.strategy
-    execute = strategy._execute_device
+    execute = strategy.device_step
 
     def recording(rb, pb, hb, layout, fwd, smp):
         keys.extend(graph_keys(rb, pb, layout.tokens_per_step, hb, strategy.capture_rows))
         return execute(rb, pb, hb, layout, fwd, smp)
 
-    strategy._execute_device = recording
+    strategy.device_step = recording
     return keys
 
 

@@ -54,10 +54,12 @@ def test_mc_loglikelihood_equals_the_packages_lm_eval_wrapper(models, seed, mc_n
                                generator=torch.Generator().manual_seed(draw), cfg_scale=cfg_scale)
         tag = f"seed={seed} draw={draw} context {ctx_len} continuation {cont_len}"
         assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), f"{tag}: ours {got} vs package {want}"
-        other = mc_loglikelihood(ours, ctx, cont, mc_num=mc_num, mc_batch_size=mc_batch_size,
-                                 generator=torch.Generator().manual_seed(draw + 1), cfg_scale=cfg_scale)
         if mc_num > 1 or cont_len > 1:
-            assert other != got, f"{tag}: another draw gave the same estimate"
+            # the draw matters; one other draw can mask the same few positions, so eight are tried
+            others = {mc_loglikelihood(ours, ctx, cont, mc_num=mc_num, mc_batch_size=mc_batch_size,
+                                       generator=torch.Generator().manual_seed(draw + k), cfg_scale=cfg_scale)
+                      for k in range(1, 9)}
+            assert others != {got}, f"{tag}: eight other draws all gave the same estimate"
 
 
 def test_mc_loglikelihood_edge_cases(models):

@@ -59,20 +59,15 @@ def _logits(model: SteerlingModel, tokens: Tensor, prompt_len: int, cfg_scale: f
     return unc + (cfg_scale + 1) * (cond - unc)
 
 
-@torch.no_grad()
-def mc_loglikelihood(model: SteerlingModel, context: list[int], continuation: list[int], *,
-                     mc_num: int = DEFAULT_MC_NUM, mc_batch_size: int = DEFAULT_MC_BATCH_SIZE,
-                     generator: torch.Generator | None = None, cfg_scale: float = 0.0) -> float:
-    """log p(continuation | context), estimated as the module docstring says; 0.0 for an empty
-    continuation. ``mc_num`` and ``mc_batch_size`` >= 1."""
-    if mc_num < 1 or mc_batch_size < 1:
-        raise ValueError(f"mc_num and mc_batch_size must be >= 1, got {mc_num} and {mc_batch_size}")
-    if not continuation:
-        return 0.0
+def _weighted_ce_batches(model: SteerlingModel, context: list[int], continuation: list[int], mc_num: int,
+                         mc_batch_size: int, generator: torch.Generator | None, cfg_scale: float):
+    """Per batch of masked copies with a masked position: (masked (B, T) bool, the masked positions'
+    cross-entropy / mask rate in float32, the batch size). The draws as the module docstring says;
+    the callers check mc_num and mc_batch_size."""
     device = next(model.parameters()).device
     seq = torch.tensor(list(context) + list(continuation), dtype=torch.long, device=device)
     prompt_len, mask_id = len(context), model.cfg.mask_id
-    total, batches, done = torch.zeros((), device=device), 0, 0
+    done = 0
     while done < mc_num:
         bsz = min(mc_batch_size, mc_num - done)
         noisy, rate = masked_copies(seq, prompt_len, bsz, mask_id, generator)
@@ -83,7 +78,24 @@ def mc_loglikelihood(model: SteerlingModel, context: list[int], continuation: li
         logits = _logits(model, noisy, prompt_len, cfg_scale)
         truth = seq.unsqueeze(0).expand(bsz, -1)
         ce = F.cross_entropy(logits[masked].float(), truth[masked], reduction="none")
-        total += (ce / rate[masked]).sum() / bsz
+        yield masked, ce / rate[masked], bsz
+
+
+@torch.no_grad()
+def mc_loglikelihood(model: SteerlingModel, context: list[int], continuation: list[int], *,
+                     mc_num: int = DEFAULT_MC_NUM, mc_batch_size: int = DEFAULT_MC_BATCH_SIZE,
+                     generator: torch.Generator | None = None, cfg_scale: float = 0.0) -> float:
+    """log p(continuation | context), estimated as the module docstring says; 0.0 for an empty
+    continuation. ``mc_num`` and ``mc_batch_size`` >= 1."""
+    if mc_num < 1 or mc_batch_size < 1:
+        raise ValueError(f"mc_num and mc_batch_size must be >= 1, got {mc_num} and {mc_batch_size}")
+    if not continuation:
+        return 0.0
+    total = torch.zeros((), device=next(model.parameters()).device)
+    batches = 0
+    for _masked, weighted, bsz in _weighted_ce_batches(model, context, continuation, mc_num, mc_batch_size,
+                                                       generator, cfg_scale):
+        total += weighted.sum() / bsz
         batches += 1
     return -(total / batches).item() if batches else 0.0
 
@@ -101,25 +113,15 @@ def mc_token_shares(model: SteerlingModel, context: list[int], continuation: lis
         raise ValueError(f"mc_num and mc_batch_size must be >= 1, got {mc_num} and {mc_batch_size}")
     if not continuation:
         return []
-    device = next(model.parameters()).device
-    seq = torch.tensor(list(context) + list(continuation), dtype=torch.long, device=device)
-    prompt_len, mask_id = len(context), model.cfg.mask_id
-    per_token = torch.zeros(seq.shape[0], dtype=torch.float64, device=device)
-    batches, done = 0, 0
-    while done < mc_num:
-        bsz = min(mc_batch_size, mc_num - done)
-        noisy, rate = masked_copies(seq, prompt_len, bsz, mask_id, generator)
-        done += bsz
-        masked = noisy == mask_id
-        if not masked.any():
-            continue
-        logits = _logits(model, noisy, prompt_len, cfg_scale)
-        truth = seq.unsqueeze(0).expand(bsz, -1)
-        ce = F.cross_entropy(logits[masked].float(), truth[masked], reduction="none")
-        terms = torch.zeros(masked.shape, dtype=torch.float64, device=device)
-        terms[masked] = (ce / rate[masked]).double()
+    n = len(context) + len(continuation)
+    per_token = torch.zeros(n, dtype=torch.float64, device=next(model.parameters()).device)
+    batches = 0
+    for masked, weighted, bsz in _weighted_ce_batches(model, context, continuation, mc_num, mc_batch_size,
+                                                      generator, cfg_scale):
+        terms = torch.zeros(masked.shape, dtype=torch.float64, device=per_token.device)
+        terms[masked] = weighted.double()
         per_token += terms.sum(0) / bsz
         batches += 1
     if not batches:
         return [0.0] * len(continuation)
-    return (-(per_token[prompt_len:] / batches)).tolist()
+    return (-(per_token[len(context):] / batches)).tolist()

@@ -247,7 +247,7 @@ class SteerlingStrategy(DecodeStrategy):
         n_candidates = sum(bounds)
         hb = head_bucket(n_candidates, rb)
         assert n_candidates <= hb, f"{n_candidates} candidate positions, {hb} head rows"
-        packed, plan_point = self._execute_device(rb, pb, hb, layout, to_device(fwd, self.device),
+        packed, plan_point = self.device_step(rb, pb, hb, layout, to_device(fwd, self.device),
                                                   to_device(smp, self.device))
         self.forwards += 1
         self.head_rows += hb
@@ -266,8 +266,8 @@ class SteerlingStrategy(DecodeStrategy):
         request asked for them (a request without attributions never reads them)."""
         return self.want_records and any(row.req.records for row in rows if row.is_decode)
 
-    def _execute_device(self, rb: int, pb: int, hb: int, layout: BlockResultLayout, fwd: ForwardInputs,
-                        smp: SamplerInputs) -> tuple[Tensor, torch.cuda.Event | None]:
+    def device_step(self, rb: int, pb: int, hb: int, layout: BlockResultLayout, fwd: ForwardInputs,
+                    smp: SamplerInputs) -> tuple[Tensor, torch.cuda.Event | None]:
         """The device step: the trunk, then the heads and sampler on `hb` head rows (none: the
         trunk only, and all-zero results nobody reads). Returns (packed results, plan point)."""
         graphs = self.step_graphs if (self.step_graphs is not None
