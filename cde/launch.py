@@ -50,7 +50,7 @@ from pathlib import Path
 
 from cde.model_family import CAUSAL, model_family
 from cde.redis_ha import MASTER_NAME, RedisHa
-from cde.redis_util import EmbeddedRedis, free_port
+from cde.redis_util import EmbeddedRedis, free_ports
 from cde.rpc.internal_auth import TOKEN_FILE_ENV, TOKEN_MD, TokenError, load_token
 from cde.supervision import CRASH_LOOP_WINDOW_S, recent_restarts, restart_delay
 
@@ -90,6 +90,8 @@ class Service:
     args: list[str]
     grpc_port: int | None = None
     http_port: int | None = None
+    # the grpc.health.v1 name its readiness is asked under: another server on the port does not pass
+    health_service: str = ""
     proc: subprocess.Popen | None = None
     log: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -97,13 +99,13 @@ class Service:
     restart_at: float | None = None                        # when the pending restart is due
 
 
-def grpc_serving(port: int, timeout: float = 1.0) -> bool:
+def grpc_serving(port: int, timeout: float = 1.0, service: str = "") -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
             return resp.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
@@ -168,18 +170,24 @@ class Stack:
         # one scheduler or attribution replica is "scheduler" / "attribution", several are numbered
         sched_names = ["scheduler"] if n_sched == 1 else [f"scheduler{i}" for i in range(n_sched)]
         attr_names = ["attribution"] if n_attr == 1 else [f"attribution{i}" for i in range(n_attr)]
-        p = {name: free_port() for name in ["steering", *attr_names, *sched_names]}
-        p["gateway_grpc"] = getattr(a, "grpc_port", 0) or free_port()
-        p["gateway_http"] = a.http_port or free_port()
-        worker_ports = [free_port() for _ in range(a.workers)]
+        # every port of the stack picked at once: distinct, and none of them the gateway's given ones
+        names = ["steering", *attr_names, *sched_names, "gateway_grpc", "gateway_http"]
+        taken = {getattr(a, "grpc_port", 0), a.http_port} - {0}
+        picked = iter(port for port in free_ports(len(names) + a.workers + len(taken)) if port not in taken)
+        p = {name: next(picked) for name in names}
+        p["gateway_grpc"] = getattr(a, "grpc_port", 0) or p["gateway_grpc"]
+        p["gateway_http"] = a.http_port or p["gateway_http"]
+        worker_ports = [next(picked) for _ in range(a.workers)]
         py = [sys.executable, "-m"]
         # A causal (I-DLM) model has no concepts: no steering or attribution service.
         self.causal = model_family(model) == CAUSAL
         concepts = [] if self.causal else [
             Service("steering", py + ["steering_svc", "--model-dir", model, "--host", "127.0.0.1",
-                                      "--port", str(p["steering"])], grpc_port=p["steering"]),
+                                      "--port", str(p["steering"])], grpc_port=p["steering"],
+                    health_service="cde.v1.Steering"),
         ] + [Service(name, py + ["attribution_svc", "--model-dir", model, "--host", "127.0.0.1",
-                                 "--port", str(p[name])], grpc_port=p[name]) for name in attr_names]
+                                 "--port", str(p[name])], grpc_port=p[name],
+                         health_service="cde.v1.Attribution") for name in attr_names]
         attribution = [] if self.causal else ["--attribution", ",".join(f"127.0.0.1:{p[n]}" for n in attr_names)]
         schedulers = ",".join(f"127.0.0.1:{p[n]}" for n in sched_names)
         # several schedulers share one lease in Redis: each needs its own id
@@ -189,7 +197,7 @@ class Stack:
                                 *(["--scheduler-id", f"s{i}"] if n_sched > 1 else []),
                                 "--detach-grace", str(getattr(a, "detach_grace", DETACH_GRACE_S)),
                                 *getattr(a, "scheduler_args", ())],
-                    grpc_port=p[name]) for i, name in enumerate(sched_names)
+                    grpc_port=p[name], health_service="cde.v1.Scheduler") for i, name in enumerate(sched_names)
         ]
         # CPU workers on one machine split its cores: each with torch's default (all cores) they
         # oversubscribe them and every step slows down badly
@@ -198,7 +206,7 @@ class Stack:
             self.services.append(Service(f"worker{i}", py + [
                 "worker_svc", "--model-dir", model, "--host", "127.0.0.1", "--port", str(wp),
                 "--scheduler", schedulers, "--worker-id", f"w{i}", "--device", a.device,
-                *threads, *getattr(a, "worker_args", ())], grpc_port=wp))
+                *threads, *getattr(a, "worker_args", ())], grpc_port=wp, health_service="cde.v1.Worker"))
         self.services.append(Service("gateway", py + [
             "gateway", "--model-dir", model, "--host", a.host, "--http-port", str(p["gateway_http"]),
             "--grpc-port", str(p["gateway_grpc"]), "--scheduler", schedulers,
@@ -265,11 +273,12 @@ class Stack:
         deadline = time.monotonic() + self.args.timeout
         pending = list(self.services)
         while pending:
-            for svc in list(pending):
+            for svc in self.services:   # one that looked healthy and then died (e.g. lost its port) too
                 if svc.proc.poll() is not None:
                     raise RuntimeError(f"{svc.name} exited with {svc.proc.returncode}:\n{self.log_tail(svc)}")
+            for svc in list(pending):
                 ok = (http_ok(f"http://127.0.0.1:{svc.http_port}/health") if svc.http_port
-                      else grpc_serving(svc.grpc_port))
+                      else grpc_serving(svc.grpc_port, service=svc.health_service))
                 if ok:
                     print(f"{svc.name:<10} healthy", flush=True)
                     pending.remove(svc)

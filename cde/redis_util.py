@@ -64,9 +64,21 @@ def redis_server_binary() -> str:
 
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` a moment ago: all are held open together while
+    they are picked, so the kernel cannot hand out one twice (one at a time it may, and then two
+    services of one stack race for a port and a health check sees the wrong one)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _ping(host: str, port: int, timeout: float) -> bytes | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cde.launch import ROOT, TINY_MODEL
-from cde.redis_util import free_port
+from cde.redis_util import free_ports
 from tests.stack_fixture import LauncherOutput, wait_until
 
 
@@ -49,8 +49,9 @@ class Launched:
 
 
 def launch_cmd(run_dir: Path, *flags: str, timeout: float = 240) -> list[str]:
-    return [sys.executable, "-m", "cde.launch", "--model-dir", str(TINY_MODEL), "--http-port", str(free_port()),
-            "--grpc-port", str(free_port()), "--run-dir", str(run_dir), "--timeout", f"{timeout:g}", *flags]
+    http_port, grpc_port = free_ports(2)
+    return [sys.executable, "-m", "cde.launch", "--model-dir", str(TINY_MODEL), "--http-port", str(http_port),
+            "--grpc-port", str(grpc_port), "--run-dir", str(run_dir), "--timeout", f"{timeout:g}", *flags]
 
 
 @contextlib.contextmanager

@@ -307,13 +307,13 @@ def test_ha_sentinel_config_runs(tmp_path):
     """The commands compose.ha.yaml gives the data nodes and the sentinels, run as real
     redis-server processes on loopback (compose names -> 127.0.0.1, compose ports -> free ports):
     the three sentinels agree on the master and find the replica and each other."""
-    from cde.redis_util import LOOPBACK, EmbeddedRedis, free_port, redis_server_binary
+    from cde.redis_util import LOOPBACK, EmbeddedRedis, free_ports, redis_server_binary
 
     services = load_ha()["services"]
     names = sentinels(services)
     compose_port = {"redis": redis_port(services["redis"]), "redis-replica": redis_port(services["redis-replica"]),
                     **{n: sentinel_port(services[n]) for n in names}}
-    port = {n: free_port() for n in compose_port}
+    port = dict(zip(compose_port, free_ports(len(compose_port))))
 
     def local(words):
         """Service names -> loopback; a service's compose port right after its name -> its local port."""
