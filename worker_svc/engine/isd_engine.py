@@ -89,7 +89,7 @@ from worker_svc.engine.isd_runner import PROPOSAL_CODES, IsdInputs, IsdRunner, V
 from worker_svc.engine.kv_cache import KVCache
 from worker_svc.engine.job import Job
 from worker_svc.engine.layouts import IsdResultLayout
-from worker_svc.engine.request_table import RequestTable, TrackedRequest
+from worker_svc.engine.request_table import PrefixQuery, RequestTable, TrackedRequest
 from worker_svc.engine.runtime import (ROW_BUCKETS, DecodeStrategy, EngineRuntime, LaunchedStep, StepPlan, bucket,
                                        to_device)
 
@@ -198,7 +198,7 @@ def _columns(rows: list[NamedTuple], pad: NamedTuple, n_rows: int, dtypes: dict)
 
 
 def isd_kv_cache(cfg, dtype: torch.dtype, device: torch.device, n_pages: int | None, fraction: float,
-                 max_slots: int, max_stride: int) -> KVCache:
+                 max_slots: int, max_stride: int, prefix_caching: bool = False) -> KVCache:
     """The ISD engine's KV cache: `n_pages` (CPU: 256 by default), on a GPU at most what fits in
     `fraction` of the free memory beside the q-table of the drafts' proposal distributions."""
     per_page = KVCache.bytes_per_page(cfg.n_layers, cfg.n_kv_heads, PAGE, cfg.head_dim, dtype)
@@ -209,7 +209,7 @@ def isd_kv_cache(cfg, dtype: torch.dtype, device: torch.device, n_pages: int | N
         n = min(n, n_pages) if n_pages is not None else n
     else:
         n = n_pages or 256
-    return KVCache(cfg.n_layers, max(n, 2), cfg.n_kv_heads, PAGE, cfg.head_dim, dtype, device)
+    return KVCache(cfg.n_layers, max(n, 2), cfg.n_kv_heads, PAGE, cfg.head_dim, dtype, device, prefix_caching)
 
 
 class IsdStrategy(DecodeStrategy):
@@ -334,7 +334,15 @@ class IsdStrategy(DecodeStrategy):
     def admission_stamp(self) -> int:
         return next(self._admissions)
 
+    def prefix_query(self, req: IsdRequest) -> PrefixQuery:
+        # the last prompt token is always forwarded: its logits sample the first token; an
+        # ungated LoRA changes the K/V of clean tokens, so those requests share a trie of their own
+        tokens = req.prompt + req.out
+        return PrefixQuery(tokens, len(tokens), req.kv_target if req.out else len(req.prompt) - 1,
+                           namespace=not req.options.lora_gated)
+
     def on_admit(self, req: IsdRequest) -> None:
+        req.kv_len = req.hit_blocks * PAGE
         if req.saved_q is not None:
             self.runner.q_table[req.slot, : req.stride - 1] = req.saved_q
             req.saved_q = None
@@ -508,6 +516,7 @@ class IsdStrategy(DecodeStrategy):
                 req.device_forwards += 1
             if row.kind == PREFILL:
                 req.kv_len = row.start + row.length
+                self._publish(table, req)
                 continue
             before = len(req.out)
             st = req.stats
@@ -548,11 +557,20 @@ class IsdStrategy(DecodeStrategy):
             # out[:before] holds no stop and fewer than max_new tokens (else the request had
             # finished), so the rule only needs the new tokens (all of out made it quadratic)
             new, reason = cut_at_stop(req.out[before:], req.stops, req.options.max_new_tokens - before)
+            self._publish(table, req)
             if new:
                 req.events.append(IsdCommitEvent(req.request_id, st.forwards, before, new, proposed, accepted,
                                                  req.specs is None, rejected))
             if reason is not None:
                 table.finish(req, reason)
+
+
+    @staticmethod
+    def _publish(table: RequestTable, req: IsdRequest) -> None:
+        """Offer the request's full pages below kv_len (final K/V of prompt + accepted tokens) to the prefix cache."""
+        n = req.kv_len // PAGE
+        if n > req.published and table.pool.cache is not None:
+            table.publish(req, req.prompt + req.out, n)
 
 
 class IsdEngine(EngineRuntime):
@@ -563,9 +581,9 @@ class IsdEngine(EngineRuntime):
                  kv_fraction: float = 0.85,
                  verify_fn: VerifyFn | None = None, cuda_graphs: bool = False, compile: bool = False,
                  overlap: bool = True, tokenizer_vocab_size: int | None = None,
-                 never_output_ids: tuple[int, ...] = ()):
+                 never_output_ids: tuple[int, ...] = (), prefix_caching: bool = True):
         p = next(model.parameters())
-        kv = isd_kv_cache(model.cfg, p.dtype, p.device, n_pages, kv_fraction, max_slots, max_stride)
+        kv = isd_kv_cache(model.cfg, p.dtype, p.device, n_pages, kv_fraction, max_slots, max_stride, prefix_caching)
         strategy = IsdStrategy(model, kv, max_slots=max_slots, max_stride=max_stride, prefill_chunk=prefill_chunk,
                                max_prefill_rows=max_prefill_rows, prefill_rows_alone=prefill_rows_alone,
                                verify_fn=verify_fn, cuda_graphs=cuda_graphs, compile=compile,

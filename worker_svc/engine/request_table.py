@@ -5,6 +5,10 @@ preempts when the pool runs dry.
 What differs between the decoders (how many pages admission needs, what a slot holds on the
 device, what a finished request reports) comes from the strategy through `RequestHooks`; the
 bookkeeping here is the same for both. The hooks never call back into the table.
+
+With a prefix cache on the pool, admission first reuses the pages of the longest cached prefix
+of the request's full 64-token blocks (the strategy says which tokens may be covered), and the
+strategies publish each block whose final K/V is in the cache (`publish`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple, Protocol
+
+from cde.blocks import PAGE
 
 from worker_svc.engine.events import FinishEvent
 from worker_svc.engine.kv_cache import PagePool
@@ -39,6 +46,9 @@ class TrackedRequest:
     admitted_at: int = -1            # preemption picks the most recently admitted
     preemptions: int = 0
     queued_at: float | None = None   # when it was added, until its first admission
+    hit_blocks: int = 0              # leading blocks whose K/V came from the prefix cache at admission
+    published: int = 0               # leading blocks offered to the prefix cache since admission
+    prefix_namespace: Hashable = None
 
     @property
     def finished(self) -> bool:
@@ -51,6 +61,18 @@ class TrackedRequest:
     def forget_kv(self) -> None:
         """Its pages are gone: nothing of it is in the cache any more."""
         raise NotImplementedError
+
+
+class PrefixQuery(NamedTuple):
+    """What a request may take from the prefix cache at admission."""
+
+    tokens: Sequence[int]     # its tokens (prompt, then generated)
+    known: int                # how many of them are known so far (counted as prefix cache queries)
+    cacheable: int            # how many leading ones may take their K/V from the cache
+    namespace: Hashable = None   # requests computing different K/V for the same tokens differ here
+
+
+NO_PREFIX = PrefixQuery((), 0, 0)
 
 
 class RequestHooks(Protocol):
@@ -66,7 +88,10 @@ class RequestHooks(Protocol):
         idle: no request is running."""
 
     def pages_to_admit(self, req: TrackedRequest) -> int:
-        """Pages that must be free to admit the request (see `admission_takes_pages`)."""
+        """Pages that must be free to admit the request (see `admission_takes_pages`), cache hits included."""
+
+    def prefix_query(self, req: TrackedRequest) -> PrefixQuery:
+        """What the request may reuse (on_admit then finds `hit_blocks` set)."""
 
     def admission_stamp(self) -> int:
         """`admitted_at` of a request admitted now (preemption picks the largest)."""
@@ -92,6 +117,8 @@ class RequestTable:
         self.preemptions = 0
         self.admitted = 0        # requests admitted for the first time
         self.queue_s_sum = 0.0   # their waits from `add` to that admission, summed
+        self.prefix_cache_queries = 0   # known tokens of admitted requests (vLLM's prefix_cache_queries)
+        self.prefix_cache_hits = 0      # of those, with K/V from the prefix cache (prefix_cache_hits)
 
     def add(self, req: TrackedRequest) -> None:
         if req.request_id in self.requests:
@@ -117,7 +144,10 @@ class RequestTable:
                 self.finish(req, "error", refusal)
                 continue
             need = s.pages_to_admit(req)
-            if self.pool.free < need:
+            query = s.prefix_query(req) if self.pool.cache is not None else NO_PREFIX
+            hits, held_by_nobody = self.pool.cached_prefix(_blocks(query.tokens, query.cacheable // PAGE),
+                                                           query.namespace)
+            if self.pool.free - held_by_nobody < need - len(hits):
                 break
             self.waiting.popleft()
             req.slot = self._free_slots.pop()
@@ -128,6 +158,13 @@ class RequestTable:
                 self.queue_s_sum += time.perf_counter() - req.queued_at
                 req.queued_at = None
             self.running.append(req)
+            if self.pool.cache is not None:
+                self.pool.share(hits)
+                req.pages = hits
+                req.hit_blocks = req.published = len(hits)
+                req.prefix_namespace = query.namespace
+                self.prefix_cache_queries += query.known
+                self.prefix_cache_hits += len(hits) * PAGE
             if s.admission_takes_pages:
                 self.ensure_pages(req, need, may_preempt_itself=False)   # free: never preempts
             s.on_admit(req)
@@ -136,6 +173,7 @@ class RequestTable:
         """Give back the request's pages and slot."""
         self.pool.release(req.pages)
         req.pages = []
+        req.hit_blocks = req.published = 0
         req.forget_kv()
         if req.slot:
             self._free_slots.append(req.slot)
@@ -169,6 +207,14 @@ class RequestTable:
             req.pages.append(page)
         return True
 
+    def publish(self, req: TrackedRequest, tokens: Sequence[int], n_blocks: int) -> None:
+        """The request's first `n_blocks` blocks (of `tokens`) have their final K/V in its pages:
+        later requests with the same prefix may reuse them."""
+        if self.pool.cache is None or n_blocks <= req.published:
+            return
+        self.pool.publish(_blocks(tokens, n_blocks), req.pages[:n_blocks], req.prefix_namespace)
+        req.published = n_blocks
+
     def finish(self, req: TrackedRequest, reason: str, error: str = "") -> None:
         """End the request: free what it holds, queue its FinishEvent, forget it."""
         req.status = RequestStatus.FINISHED
@@ -192,3 +238,7 @@ class RequestTable:
             return False
         req.cancel_requested = True
         return True
+
+
+def _blocks(tokens: Sequence[int], n: int) -> list[tuple[int, ...]]:
+    return [tuple(tokens[b * PAGE:(b + 1) * PAGE]) for b in range(n)]

@@ -21,7 +21,7 @@ from worker_svc.engine.events import FinishEvent
 from worker_svc.engine.graphs import GraphCache
 from worker_svc.engine.job import Job
 from worker_svc.engine.kv_cache import KVCache
-from worker_svc.engine.request_table import RequestTable, TrackedRequest
+from worker_svc.engine.request_table import NO_PREFIX, PrefixQuery, RequestTable, TrackedRequest
 
 RowT = TypeVar("RowT")        # a strategy's row type
 LayoutT = TypeVar("LayoutT")  # its packed-results layout (layouts.BlockResultLayout | IsdResultLayout)
@@ -133,6 +133,8 @@ class EngineStats:
     late_plan_misses: int = 0    # of those, launched after that step had already finished (GPU idle)
     admitted: int = 0            # requests admitted for the first time
     queue_s_sum: float = 0.0     # their time from submit to admission (joining a step), summed
+    prefix_cache_queries: int = 0   # known tokens of admitted requests (vLLM's name; 0 without a prefix cache)
+    prefix_cache_hits: int = 0      # of those, with K/V reused from the prefix cache
 
 
 class DecodeStrategy(ABC):
@@ -162,6 +164,9 @@ class DecodeStrategy(ABC):
 
     @abstractmethod
     def pages_to_admit(self, req: TrackedRequest) -> int: ...
+
+    def prefix_query(self, req: TrackedRequest) -> PrefixQuery:
+        return NO_PREFIX   # a strategy without prefix caching: nothing reusable
 
     @abstractmethod
     def admission_stamp(self) -> int: ...
@@ -329,7 +334,9 @@ class EngineRuntime:
                            graphs=s.graphs.captures if s.graphs is not None else 0,
                            overlapped_steps=self.overlapped_steps, late_plans=self.late_plans,
                            late_plan_misses=self.late_plan_misses, admitted=self.table.admitted,
-                           queue_s_sum=self.table.queue_s_sum)
+                           queue_s_sum=self.table.queue_s_sum,
+                           prefix_cache_queries=self.table.prefix_cache_queries,
+                           prefix_cache_hits=self.table.prefix_cache_hits)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
@@ -343,10 +350,16 @@ class EngineRuntime:
             yield req.events.popleft()
 
     def run_throwaway(self, jobs: list[Job]) -> None:
-        """Warm-up: run the jobs to the end and forget them."""
-        for job in jobs:
-            self.submit(job)
-        self.run_until_idle()
+        """Warm-up: run the jobs to the end and forget them. The prefix cache is off meanwhile: the
+        jobs' shapes (prefill rows included) must all run, and nothing of them stays cached."""
+        pool = self.kv.pool
+        cache, pool.cache = pool.cache, None
+        try:
+            for job in jobs:
+                self.submit(job)
+            self.run_until_idle()
+        finally:
+            pool.cache = cache
         for job in jobs:
             self.table.requests.pop(job.request_id, None)
 

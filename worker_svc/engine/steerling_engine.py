@@ -39,7 +39,7 @@ from worker_svc.engine.events import BlockEvent, FinishEvent, StepEvent
 from worker_svc.engine.job import Job
 from worker_svc.engine.kv_cache import KVCache
 from worker_svc.engine.layouts import BlockResultLayout, BlockResults
-from worker_svc.engine.request_table import RequestTable
+from worker_svc.engine.request_table import PrefixQuery, RequestTable
 from worker_svc.engine.runtime import (ROW_BUCKETS, DecodeStrategy, EngineRuntime, LaunchedStep, StepPlan, bucket,
                                        to_device)
 from worker_svc.engine.steerling_graphs import (PAGE_BUCKETS, TOKENS_PER_STEP_BUCKETS, StepGraphs, capturable,
@@ -151,7 +151,12 @@ class SteerlingStrategy(DecodeStrategy):
     def admission_stamp(self) -> int:
         return self.applied_steps
 
+    def prefix_query(self, req: BlockRequest) -> PrefixQuery:
+        # blocks before the active one are final (prompt or committed); commit rows are never steered
+        return PrefixQuery(req.seq, len(req.prompt) + req.committed, req.active * BLOCK)
+
     def on_admit(self, req: BlockRequest) -> None:
+        req.kv_blocks = req.hit_blocks
         s = req.slot
         self.tables.seen[s] = False
         # non-blocking copies: an arrival is admitted while the step before it runs (`plan_ahead`),
@@ -307,6 +312,7 @@ class SteerlingStrategy(DecodeStrategy):
                 req.kv_blocks = max(req.kv_blocks, b + 1)
                 if req.kv_blocks >= req.active:
                     req.closed_block = False
+                table.publish(req, req.seq, req.kv_blocks)
                 continue
             if head_bounds is not None:
                 # the host's tokens now are the ones the step ran on: its bound must have held
@@ -381,9 +387,10 @@ class SteerlingEngine(EngineRuntime):
                  n_pages: int | None = None, max_prefill_rows: int = 32, compile: bool = False,
                  cuda_graphs: bool = False, kv_fraction: float = 0.85, overlap: bool = True,
                  capture_rows: int = 48, never_output_ids: tuple[int, ...] = (),
-                 plan_late_head_rows: int | None = PLAN_LATE_HEAD_ROWS):
+                 plan_late_head_rows: int | None = PLAN_LATE_HEAD_ROWS, prefix_caching: bool = True):
         p = next(model.parameters())
-        kv = KVCache.sized_from_free_memory(model.cfg, p.dtype, p.device, kv_fraction, n_pages)
+        kv = KVCache.sized_from_free_memory(model.cfg, p.dtype, p.device, kv_fraction, n_pages,
+                                            prefix_caching=prefix_caching)
         strategy = SteerlingStrategy(model, kv, max_slots=max_slots, tokenizer_vocab_size=tokenizer_vocab_size,
                                      max_prefill_rows=max_prefill_rows, compile=compile, cuda_graphs=cuda_graphs,
                                      capture_rows=capture_rows, never_output_ids=never_output_ids,
