@@ -16,6 +16,7 @@
 #                                       block (1K, 4K prompt) alone and 8 joining 8 running (long-context-steerling / -isd: one each)
 #   bash bench/run_h200.sh isd-prefill-rows # I-DLM-8B time to first token alone and joining, 32 vs 64 prompt rows a step
 #   bash bench/run_h200.sh isd-ttfb    # I-DLM-8B time to first token (1K, 4K) alone and joining, at the engine's defaults
+#   bash bench/run_h200.sh prefix-cache # both engines: time to first block/token of C = 1, 32 requests sharing a 2K-token system prompt, prefix cache off vs on
 #   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
 #   bash bench/run_h200.sh train-steerling-v2 # steerling-small v2, resumable across commands (TOTAL_TRAIN_S, EVAL=quick|full, RESUME, PROBE=0: no v1 probe)
 #   bash bench/run_h200.sh eval-steerling # evaluate the bundle the last train-steerling-v2 of this lease wrote (QUICK=1)
@@ -107,6 +108,16 @@ case "$stage" in
     python3 -m bench.long_context --engine isd --preset idlm-8b --contexts "" \
       --out "$OUT/long-context-idlm-8b-h200-$short-ttfb.json" 2>&1 | grep -v Warning \
       | tee "$OUT/long-context-idlm-8b-h200-$short-ttfb.txt" ;;
+  prefix-cache|prefix-cache-steerling|prefix-cache-isd)
+    # bench.prefix_cache per engine (2,048 shared + 64 own prompt tokens, C = 1 and 32, off then on)
+    if [ "$stage" != prefix-cache-isd ]; then
+      python3 -m bench.prefix_cache --engine steerling --preset steerling-8b \
+        --out "$OUT/prefix-cache-steerling-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/prefix-cache-steerling-8b-h200-$short.txt"
+    fi
+    if [ "$stage" != prefix-cache-steerling ]; then
+      python3 -m bench.prefix_cache --engine isd --preset idlm-8b \
+        --out "$OUT/prefix-cache-idlm-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/prefix-cache-idlm-8b-h200-$short.txt"
+    fi ;;
   train-steerling)
     # steerling-small: corpus (stories generated here + the committed prose), training, held-out
     # evaluation, in one command of < 10 minutes. Returns the sharded bf16 weights, config,

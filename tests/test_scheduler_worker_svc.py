@@ -241,6 +241,8 @@ def test_submit_streams_blocks_in_order_matching_reference(redis_server):
                 # r1 is the one request this worker served (warm-up requests are admitted, never sent)
                 assert info.first_blocks == 1 and 0 < info.first_block_seconds_sum < 60, info
                 assert info.admitted > 1 and info.queue_seconds_sum >= 0, info
+                # prefix caching (on by default) looked up r1's 19 prompt tokens: no whole 64-token block to hit
+                assert (info.prefix_cache_queries, info.prefix_cache_hits) == (len(prompt), 0), info
                 health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
                 assert health.status == health_pb2.HealthCheckResponse.SERVING
             again = await collect(c.stub.Submit(submit_request("r1", prompt, max_new, seed, k)))

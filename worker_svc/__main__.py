@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "graphs, all captured at start-up; larger steps run eagerly")
     ap.add_argument("--max-stride", type=int, default=int(env("CDE_MAX_STRIDE", limits.MAX_STRIDE)),
                     help="causal models: the largest decode.isd_stride served")
+    ap.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                    default=not _flag("CDE_NO_PREFIX_CACHING"),
+                    help="prefill every prompt in full (default: requests reuse the K/V of cached prompt "
+                         "prefixes, whole 64-token blocks; outputs are the same either way)")
     ap.add_argument("--threads", type=int, default=int(env("CDE_TORCH_THREADS", 0)),
                     help="CPU: torch intra-op threads (0 = torch's default, one per core; several workers "
                          "on one machine should split the cores or they slow each other down badly)")

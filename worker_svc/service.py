@@ -132,6 +132,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         status.admitted, status.queue_seconds_sum = stats.admitted, stats.queue_s_sum
         status.first_blocks, status.first_block_seconds_sum = self.first_blocks, self.first_block_s_sum
         status.late_plans, status.late_plan_misses = stats.late_plans, stats.late_plan_misses
+        status.prefix_cache_queries, status.prefix_cache_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         return status
 
 
@@ -215,6 +216,7 @@ class WorkerOptions:
     capture_rows: int = 48              # block diffusion + CUDA graphs: largest step (rows) run from a graph
     max_stride: int = L.MAX_STRIDE      # causal models: the largest decode.isd_stride served
     threads: int = 0                    # CPU: torch intra-op threads (0 = torch's default)
+    prefix_caching: bool = True         # reuse the K/V pages of cached prompt prefixes (64-token blocks)
     warmup: bool = True
     random_weights: int | None = None   # BENCHMARK ONLY: seed of random weights (cde.steerling.random_weights)
 
@@ -277,7 +279,8 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
         engine: EngineRuntime = IsdEngine(model, max_slots=opts.max_slots, n_pages=opts.kv_pages,
                                           max_stride=opts.max_stride, cuda_graphs=opts.cuda_graphs,
                                           compile=opts.compile, tokenizer_vocab_size=token_limit,
-                                          never_output_ids=tuple(chat_tokenizer.unassigned_ids()))
+                                          never_output_ids=tuple(chat_tokenizer.unassigned_ids()),
+                                          prefix_caching=opts.prefix_caching)
         family: ModelFamily = CausalFamily(engine, token_limit)
         scorer = Scorer(model, True, token_limit, model.cfg.max_positions)
     else:
@@ -298,7 +301,7 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
         engine = SteerlingEngine(model, tokenizer_vocab_size=token_limit, max_slots=opts.max_slots,
                                  never_output_ids=tuple(tokenizer.unassigned_ids()),
                                  n_pages=opts.kv_pages, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
-                                 capture_rows=opts.capture_rows)
+                                 capture_rows=opts.capture_rows, prefix_caching=opts.prefix_caching)
         family = BlockDiffusionFamily(engine, token_limit, model_name)
         scorer = Scorer(model, False, token_limit, model.cfg.block_size)
     front = AsyncEngine(engine)
@@ -334,7 +337,8 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
                          kv_pages=args.kv_pages, max_slots=args.max_slots,
                          capture_rows=getattr(args, "capture_rows", 48),
                          max_stride=getattr(args, "max_stride", 8), threads=getattr(args, "threads", 0),
-                         random_weights=getattr(args, "random_weights", None))
+                         random_weights=getattr(args, "random_weights", None),
+                         prefix_caching=getattr(args, "prefix_caching", True))
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -42,7 +42,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("model", "preset", "dtype", "device", "kv_pages_total", "kv_pages_free", "running", "waiting", "steps", "compiles", "diffusion_block_size", "vocab_size", "n_known", "n_discovered", "max_context", "graphs", "overlapped_steps", "admitted", "queue_seconds_sum", "first_blocks", "first_block_seconds_sum", "late_plans", "late_plan_misses")
+    __slots__ = ("model", "preset", "dtype", "device", "kv_pages_total", "kv_pages_free", "running", "waiting", "steps", "compiles", "diffusion_block_size", "vocab_size", "n_known", "n_discovered", "max_context", "graphs", "overlapped_steps", "admitted", "queue_seconds_sum", "first_blocks", "first_block_seconds_sum", "late_plans", "late_plan_misses", "prefix_cache_queries", "prefix_cache_hits")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRESET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,8 @@ class WorkerStatus(_message.Message):
     FIRST_BLOCK_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
     LATE_PLANS_FIELD_NUMBER: _ClassVar[int]
     LATE_PLAN_MISSES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     model: str
     preset: str
     dtype: str
@@ -89,4 +91,6 @@ class WorkerStatus(_message.Message):
     first_block_seconds_sum: float
     late_plans: int
     late_plan_misses: int
-    def __init__(self, model: _Optional[str] = ..., preset: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., compiles: _Optional[int] = ..., diffusion_block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., n_known: _Optional[int] = ..., n_discovered: _Optional[int] = ..., max_context: _Optional[int] = ..., graphs: _Optional[int] = ..., overlapped_steps: _Optional[int] = ..., admitted: _Optional[int] = ..., queue_seconds_sum: _Optional[float] = ..., first_blocks: _Optional[int] = ..., first_block_seconds_sum: _Optional[float] = ..., late_plans: _Optional[int] = ..., late_plan_misses: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, model: _Optional[str] = ..., preset: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., compiles: _Optional[int] = ..., diffusion_block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., n_known: _Optional[int] = ..., n_discovered: _Optional[int] = ..., max_context: _Optional[int] = ..., graphs: _Optional[int] = ..., overlapped_steps: _Optional[int] = ..., admitted: _Optional[int] = ..., queue_seconds_sum: _Optional[float] = ..., first_blocks: _Optional[int] = ..., first_block_seconds_sum: _Optional[float] = ..., late_plans: _Optional[int] = ..., late_plan_misses: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
