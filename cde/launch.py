@@ -197,7 +197,11 @@ class Stack:
                                 *(["--scheduler-id", f"s{i}"] if n_sched > 1 else []),
                                 "--detach-grace", str(getattr(a, "detach_grace", DETACH_GRACE_S)),
                                 *getattr(a, "scheduler_args", ())],
-                    grpc_port=p[name], health_service="cde.v1.Scheduler") for i, name in enumerate(sched_names)
+                    grpc_port=p[name],
+                    # a standby of several reports cde.v1.Scheduler NOT_SERVING until it wins the lease,
+                    # "" SERVING: up is what the launcher waits for; the gateway's health needs the leader
+                    health_service="" if n_sched > 1 else "cde.v1.Scheduler")
+            for i, name in enumerate(sched_names)
         ]
         # CPU workers on one machine split its cores: each with torch's default (all cores) they
         # oversubscribe them and every step slows down badly
