@@ -139,12 +139,6 @@ class Echo:
         return self.formatter.format(await self.scoring.output_entries(tokens))
 
 
-def _merge_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
-    if a is None or b is None:
-        return a or b
-    return {k: a[k] + b[k] for k in a}
-
-
 async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, opts: RestOptions,
                    echo: Echo) -> dict[str, Any]:
     stopper = StopStringMatcher(opts.stop_strings)
@@ -180,8 +174,8 @@ async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, o
     cde = {**meta, "blocks": blocks, "token_attributions": tas, "chunk_attributions": cas}
     body = fmt.response(echo.text + "".join(text), reason, usage, cde)
     if echo.scoring is not None:
-        body["choices"][0]["logprobs"] = _merge_logprobs(
-            await echo.prompt_logprobs(), await echo.output_logprobs(tokens[:usage.completion_tokens]))
+        body["choices"][0]["logprobs"] = echo.formatter.format(
+            await echo.scoring.response_entries(tokens[:usage.completion_tokens]))
     return body
 
 

@@ -118,6 +118,17 @@ class Scoring:
         scores = await self._score(self.prompt, first)
         return [Entry(t) for t in self.prompt[:first]] + _entries(self.prompt[first:], scores)
 
+    async def response_entries(self, tokens: list[int]) -> list[Entry]:
+        """A whole response's entries, the echoed prompt (if asked) then `tokens`, in one Score call."""
+        if not (self.ask.echo and self.ask.generated):
+            head = await self.prompt_entries() if self.ask.echo else []
+            return head + await self.output_entries(tokens)
+        first = min(self.ask.context_tokens or 1, len(self.prompt))
+        self.output += tokens
+        every = self.prompt + self.output
+        scores = await self._score(every, first) if first < len(every) else []
+        return [Entry(t) for t in every[:first]] + _entries(every[first:], scores)
+
     async def output_entries(self, tokens: list[int]) -> list[Entry]:
         """The next generated tokens (after those scored before)."""
         if not tokens:
