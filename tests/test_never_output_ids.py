@@ -122,7 +122,13 @@ def biased_tiny_qwen3(seed: int) -> tuple[Qwen3Model, int | None]:
 def biased_lag(seed: int) -> tuple[Qwen3Model, int | None]:
     """The lag model (drafts often accepted): mask 63, and rows 60..62 past a 60-id tokenizer."""
     model = lag_model(seed, lag=4, vocab=64)
-    bias_toward(model.lm_head, [63, 62, 61, 60], top=600.0, gap=100.0)   # its own logits reach ~100
+    # |own logit| <= |lm_head row| * |final-norm output| <= |row| * sqrt(hidden) * max|gain|, so a gap of
+    # twice that bound orders the biased ids strictly whatever the input (a fixed gap failed on some seeds)
+    with torch.no_grad():
+        bound = float(model.lm_head.weight.norm(dim=-1).max() * model.cfg.hidden ** 0.5
+                      * model.model.norm.weight.abs().max())
+    gap = 2 * bound + 1
+    bias_toward(model.lm_head, [63, 62, 61, 60], top=4 * gap, gap=gap)
     return model, 60
 
 
