@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from attribution_svc.inputs import InputAttributionError, InputAttributor
 from attribution_svc.compute import (
     AttributionTables,
     RecordsError,
@@ -47,9 +49,56 @@ class Loaded:
         return cls(model_dir.name, tables, ConceptCatalog.load(model_dir, tables.cfg.n_known, tables.cfg.n_discovered))
 
 
+class _CallerGone(Exception):
+    """Raised in the job's thread once its stream has ended."""
+
+
 class AttributionServicer(attribution_pb2_grpc.AttributionServicer):
     def __init__(self) -> None:
         self.loaded: Loaded | None = None  # set once loaded
+        self.inputs: InputAttributor | None = None   # input attribution: the model, loaded on first use
+
+    async def AttributeInputs(self, request, context):
+        """One job on a thread of its own; its events (progress, targets, summary) streamed as they come."""
+        loaded, inputs = self.loaded, self.inputs
+        if loaded is None or inputs is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "attribution service is still loading")
+        if request.model and request.model != loaded.model_name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model!r}; "
+                                f"this service serves {loaded.model_name!r}")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        done, gone = object(), threading.Event()
+
+        def emit(ev) -> None:
+            if gone.is_set():   # the caller left: stop at the next target
+                raise _CallerGone
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+        def work() -> None:
+            try:
+                inputs.run(request, emit)
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+            except _CallerGone:
+                pass
+            except BaseException as e:   # noqa: BLE001 - handed to the stream
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+
+        loop.run_in_executor(None, work)
+        try:
+            while True:
+                item = await queue.get()
+                if item is done:
+                    break
+                if isinstance(item, InputAttributionError):
+                    await context.abort(getattr(grpc.StatusCode, item.code), f"request {request.request_id!r}: {item}")
+                if isinstance(item, BaseException):
+                    log.exception("input attribution of %r failed", request.request_id, exc_info=item)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"input attribution failed: {type(item).__name__}")
+                yield item
+        finally:
+            gone.set()
+
 
     async def Attribute(self, request_iterator, context):
         loaded = self.loaded
@@ -94,6 +143,7 @@ async def build_server(model_dir: str | Path, host: str = "127.0.0.1", port: int
     servicer = AttributionServicer()
     attribution_pb2_grpc.add_AttributionServicer_to_server(servicer, server)
     bound, servicer.loaded = await start_then_load(server, health, host, port, lambda: Loaded.load(model_dir))
+    servicer.inputs = InputAttributor(str(Path(model_dir).resolve()))
     log.info("attribution: serving %s on %s:%d", servicer.loaded.model_name, host, bound)
     return RunningServer(server, bound, health, servicer)
 

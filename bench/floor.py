@@ -6,6 +6,10 @@ layer + the LM head for `queries` tokens per sequence, SDPA over `context` cache
 `decode_ms`'s `kv`), captured in a CUDA graph and replayed, so launch gaps are excluded. No norms, no RoPE, no
 concept heads: it is the part no implementation can avoid.
 
+`weights="fp8"`: the trunk's projections as `cde.fp8.Fp8Linear` runs them (e4m3 weights with
+per-output-channel scales, the activations quantized per token, `torch._scaled_mm`), the LM head
+dense, as the engine's `--weights fp8` has them: the FP8 floor.
+
 The prefill floor (`FloorModel.prefill_ms`) is one forward of a whole L-token prompt: the same
 projections for L tokens, causal attention over the L keys (flash SDPA) and the LM head only
 for the tokens whose logits the engine samples from. On the CPU (tests) the forwards are
@@ -24,7 +28,7 @@ class FloorModel:
     """Random dense weights at a preset's sizes, for the decode and prefill floors."""
 
     def __init__(self, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
-                 device: str = "cuda", iters: int = 20):
+                 device: str = "cuda", iters: int = 20, weights: str = "dense"):
         torch.manual_seed(0)
         self.device, self.iters = device, iters
         self.dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -34,6 +38,15 @@ class FloorModel:
         self.ws = [dict(qkv=self._mk((heads + 2 * kv_heads) * hd, hidden), o=self._mk(hidden, heads * hd),
                         gu=self._mk(2 * ffn, hidden), d=self._mk(hidden, ffn)) for _ in range(layers)]
         self.lm = self._mk(vocab, hidden)
+        if weights == "fp8":   # the trunk's projections as the engine's --weights fp8 runs them (cde/fp8.py)
+            from cde.fp8 import Fp8Linear
+            self.ws = [{name: Fp8Linear(w) for name, w in ws.items()} for ws in self.ws]
+        elif weights != "dense":
+            raise ValueError(f"weights must be 'dense' or 'fp8', got {weights!r}")
+
+    @staticmethod
+    def _proj(h, w):
+        return h @ w.T if isinstance(w, torch.Tensor) else w(h)
 
     def _mk(self, *shape):
         return torch.randn(*shape, device=self.device, dtype=self.dtype) * 0.02
@@ -42,12 +55,12 @@ class FloorModel:
         """Every layer's projections on (b * n, hidden) rows; attend(q, k, v) -> (b, heads, n, hd)."""
         heads, kvh, hd = self.heads, self.kv_heads, self.hd
         for w in self.ws:
-            q, k, v = (h @ w["qkv"].T).split([heads * hd, kvh * hd, kvh * hd], -1)
+            q, k, v = self._proj(h, w["qkv"]).split([heads * hd, kvh * hd, kvh * hd], -1)
             a = attend(q.view(b, n, heads, hd).transpose(1, 2), k.view(b, n, kvh, hd).transpose(1, 2),
                        v.view(b, n, kvh, hd).transpose(1, 2))
-            h = h + a.transpose(1, 2).reshape(b * n, heads * hd) @ w["o"].T
-            g, u = (h @ w["gu"].T).chunk(2, -1)
-            h = h + (F.silu(g) * u) @ w["d"].T
+            h = h + self._proj(a.transpose(1, 2).reshape(b * n, heads * hd), w["o"])
+            g, u = self._proj(h, w["gu"]).chunk(2, -1)
+            h = h + self._proj(F.silu(g) * u, w["d"])
         return h
 
     def _time_ms(self, fwd) -> float:
@@ -144,9 +157,9 @@ class FloorModel:
 
 def measure_floor(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
                   batches: list[int], queries: int = 64, context: int = 512, iters: int = 20,
-                  device: str = "cuda") -> dict[int, float]:
-    """ms per decode forward for each batch size."""
-    model = FloorModel(layers, hidden, heads, kv_heads, ffn, vocab, device, iters)
+                  device: str = "cuda", weights: str = "dense") -> dict[int, float]:
+    """ms per decode forward for each batch size (`weights` "fp8": e4m3 trunk projections)."""
+    model = FloorModel(layers, hidden, heads, kv_heads, ffn, vocab, device, iters, weights)
     try:
         return {b: model.decode_ms(b, queries, context) for b in batches}
     finally:

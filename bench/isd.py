@@ -238,6 +238,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy requests (the greedy-only step)")
     ap.add_argument("--profile", default="", help="concurrencies whose warm decode steps are profiled (e.g. 1,32)")
     ap.add_argument("--profile-steps", type=int, default=1)
+    ap.add_argument("--weights", default="dense", choices=("dense", "fp8"),
+                    help="fp8: the trunk's projections in e4m3 (cde/fp8.py), against the FP8 floor; the dense "
+                         "floor is measured beside it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -245,21 +248,28 @@ def main() -> None:
     cfg = preset(args.preset)
     concs = [int(c) for c in args.concurrency.split(",") if c]
     strides = [int(n) for n in args.strides.split(",") if n]
-    result = run_record("bench.isd", args.preset, "isd", cuda, dtype, floor=None, runs=[], verify_ms={})
+    result = run_record("bench.isd", args.preset, "isd", cuda, dtype, floor=None, runs=[], verify_ms={},
+                        weights=args.weights)
     save = json_writer(args.out, result)
 
     if cuda and not args.no_floor:
         from bench.floor import measure_floor
-        result["floor"] = {}
-        for n in sorted(set(strides)):
-            q = 2 * n - 1
-            f = measure_floor(cfg.n_layers, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate, cfg.vocab_size,
-                              concs, queries=q, context=args.prompt_tokens + args.new_tokens // 2)
-            result["floor"][f"{q}_query"] = {str(b): round(v, 3) for b, v in f.items()}
-            print(f"floor {q}-query: {result['floor'][f'{q}_query']}", flush=True)
+        # the floor of the run's weights; with fp8 also the dense one ("floor_dense")
+        for key, weights in [("floor", args.weights)] + ([("floor_dense", "dense")] if args.weights != "dense" else []):
+            result[key] = {}
+            for n in sorted(set(strides)):
+                q = 2 * n - 1
+                f = measure_floor(cfg.n_layers, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate,
+                                  cfg.vocab_size, concs, queries=q, context=args.prompt_tokens + args.new_tokens // 2,
+                                  weights=weights)
+                result[key][f"{q}_query"] = {str(b): round(v, 3) for b, v in f.items()}
+                print(f"{key} ({weights}) {q}-query: {result[key][f'{q}_query']}", flush=True)
         save()
     t = time.perf_counter()
     model = build_model(args.preset, args.device, dtype)
+    if args.weights == "fp8":
+        from cde.fp8 import to_fp8
+        to_fp8(model)
     engine = IsdEngine(model, max_slots=max(concs + [4]), n_pages=args.max_pages, max_stride=max(strides + [1]),
                        cuda_graphs=cuda and not args.no_cuda_graphs, compile=cuda and not args.no_compile,
                        overlap=not args.no_overlap)

@@ -5,6 +5,9 @@
 #   bash bench/run_h200.sh gpu-tests   # the `gpu` tests: engines (eager + graphs), Triton verify
 #   bash bench/run_h200.sh steerling   # Steerling-8B sweep C=1..64, on/off, kernel profile at 1 and 32
 #   bash bench/run_h200.sh steerling-quick # Steerling-8B at C=1, 32 (on) with kernel profiles: a check between sweeps
+#   bash bench/run_h200.sh steerling-fp8 # Steerling-8B with --weights fp8 at C=1, 32, 64 vs the FP8 floor (+ the bf16 floor)
+#   bash bench/run_h200.sh isd-fp8     # I-DLM-8B with --weights fp8: ISD N=4 and AR at C=1, 32, 64 vs the FP8 floors (+ the bf16 ones)
+#   bash bench/run_h200.sh fp8-faithfulness # FP8 vs bf16 on the same weights: both bundled small models, then both 8B presets (random)
 #   bash bench/run_h200.sh long        # Steerling-8B, 64 requests x 1,024 new tokens (pages, peak memory)
 #   bash bench/run_h200.sh multi-token # Steerling-8B at C=1, 32: k = 1, 2, 4 tokens per step and thresholds 0.9 / 0.7
 #   bash bench/run_h200.sh ablation    # Steerling-8B at C=1, 16 without overlapped steps (what overlap saves)
@@ -16,6 +19,10 @@
 #                                       block (1K, 4K prompt) alone and 8 joining 8 running (long-context-steerling / -isd: one each)
 #   bash bench/run_h200.sh isd-prefill-rows # I-DLM-8B time to first token alone and joining, 32 vs 64 prompt rows a step
 #   bash bench/run_h200.sh isd-ttfb    # I-DLM-8B time to first token (1K, 4K) alone and joining, at the engine's defaults
+#   bash bench/run_h200.sh input-attribution # Steerling-8B dims: seconds per attributed token at n_steps 32, alone and beside 16 decoding requests (decode slowdown)
+#   bash bench/run_h200.sh services-x2 # nvidia-h200-x2: the stack at C = 32, 64 with one worker, then one worker per GPU (--devices 0,1): aim >= 1.9x
+#   bash bench/run_h200.sh services-tp-x2 # nvidia-h200-x2: the stack at C = 32 with one worker of --tensor-parallel 2 (both GPUs) vs one GPU
+#   bash bench/run_h200.sh tp-x2       # nvidia-h200-x2: Qwen3-32B dims tensor parallel over 2 GPUs (NCCL, NVLS off), ms per forward vs each GPU's own work
 #   bash bench/run_h200.sh prefix-cache # both engines: time to first block/token of C = 1, 32 requests sharing a 2K-token system prompt, prefix cache off vs on
 #   bash bench/run_h200.sh train-steerling # train + evaluate steerling-small (one command, < 10 minutes)
 #   bash bench/run_h200.sh train-steerling-v2 # steerling-small v2, resumable across commands (TOTAL_TRAIN_S, EVAL=quick|full, RESUME, PROBE=0: no v1 probe)
@@ -60,6 +67,39 @@ case "$stage" in
     # C = 1 and 32 with attribution + steering on, kernel profiles at both: a check between full sweeps
     python3 -m bench.steerling --preset steerling-8b --concurrency 1,32 --off-concurrency "" --long-run "" --profile 1,32 \
       --out "$OUT/engine-steerling-8b-h200-$short-quick.json" 2>&1 | grep -v Warning | tee "$OUT/engine-steerling-8b-h200-$short-quick.txt" ;;
+  steerling-fp8)
+    # FP8 (e4m3) trunk weights vs the FP8 floor (and the bf16 floor) at C = 1, 32, 64, attribution + steering on
+    python3 -m bench.steerling --preset steerling-8b --weights fp8 --concurrency 1,32,64 --off-concurrency "" \
+      --long-run "" --out "$OUT/engine-steerling-8b-fp8-h200-$short.json" 2>&1 | grep -v Warning \
+      | tee "$OUT/engine-steerling-8b-fp8-h200-$short.txt" ;;
+  isd-fp8)
+    python3 -m bench.isd --preset idlm-8b --weights fp8 --concurrency 1,32,64 \
+      --out "$OUT/engine-isd-8b-fp8-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/engine-isd-8b-fp8-h200-$short.txt" ;;
+  fp8-faithfulness)
+    for src in "--model-dir models/steerling-small" "--model-dir models/idlm-small" \
+               "--preset steerling-8b --prompts 4" "--preset idlm-8b --tokenizer-dir models/idlm-small --prompts 4"; do
+      name=$(echo "$src" | awk '{print $2}' | sed 's#models/##')
+      python3 -m bench.fp8_faithfulness $src --out "$OUT/fp8-faithfulness-$name-h200-$short.json" 2>&1 \
+        | grep -v Warning | tee -a "$OUT/fp8-faithfulness-h200-$short.txt"
+    done ;;
+  input-attribution)
+    python3 -m bench.input_attribution --preset steerling-8b --n-steps 32 --targets 8 --load 16 \
+      --out "$OUT/input-attribution-8b-h200-$short.json" 2>&1 | grep -v Warning | tee "$OUT/input-attribution-8b-h200-$short.txt" ;;
+  services-tp-x2)
+    for tp in 1 2; do
+      python3 -m bench.services --kv-pages 8192 --concurrency 1,32 --duration "${DURATION:-40}" --no-engine \
+        --tensor-parallel $tp --out "$OUT/services-steerling-8b-h200-x2-$short-tp$tp.json" \
+        2>&1 | grep -v Warning | tee -a "$OUT/services-steerling-8b-h200-x2-$short-tp.txt"
+    done ;;
+  services-x2)
+    for devices in "" "0,1"; do
+      python3 -m bench.services --kv-pages 8192 --concurrency 32,64 --duration "${DURATION:-40}" --no-engine \
+        ${devices:+--devices $devices} --out "$OUT/services-steerling-8b-h200-x2-$short-workers${devices:+-$devices}.json" \
+        2>&1 | grep -v Warning | tee -a "$OUT/services-steerling-8b-h200-x2-$short.txt"
+    done ;;
+  tp-x2)
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 -m bench.tp_forward --dims 32b --batches 1,8,32 \
+      --out "$OUT/tp-forward-32b-h200-x2-$short.json" 2>&1 | grep -v Warning | tee "$OUT/tp-forward-32b-h200-x2-$short.txt" ;;
   long)
     python3 -m bench.steerling --preset steerling-8b --concurrency "" --off-concurrency "" --long-run 64x1024 \
       --out "$OUT/engine-steerling-8b-h200-$short-long.json" 2>&1 | grep -v Warning ;;

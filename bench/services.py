@@ -300,7 +300,8 @@ def services_runs(args, cfg: SteerlingConfig, model_dir: Path, work: Path, concs
         worker_args += ["--kv-pages", str(args.kv_pages)]
     ns = argparse.Namespace(model_dir=str(model_dir), device="cuda" if cuda else "cpu", workers=1, host="127.0.0.1",
                             http_port=0, grpc_port=0, run_dir=str(work / "run"), timeout=args.startup_timeout,
-                            worker_args=worker_args, gateway_processes=args.gateway_processes)
+                            worker_args=worker_args, gateway_processes=args.gateway_processes,
+                            devices=args.devices or None, tensor_parallel=args.tensor_parallel)
     stack = Stack(ns)
     runs = []
     try:
@@ -506,6 +507,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-engine", action="store_true", help="only the services path")
     ap.add_argument("--no-floor", action="store_true", help="skip the floor (bench.floor) measured first on CUDA")
+    ap.add_argument("--devices", default="",
+                    help="one worker per GPU index (cde.launch --devices 0,1: data parallel through the scheduler)")
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="the worker splits its model over N ranks (worker_svc --tensor-parallel; GPUs cuda:0..N-1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 

@@ -54,14 +54,15 @@ def git_commit() -> str:
         return "unknown"
 
 
-def floor_record(cfg, batches: list[int]) -> dict:
+def floor_record(cfg, batches: list[int], weights: str = "dense") -> dict:
     """The floor (bench.floor) of a Steerling step at these batch sizes, as a result's `floor`:
-    64 query tokens over a 512-token context."""
+    64 query tokens over a 512-token context, with the engine's weights (dense or fp8)."""
     from bench.floor import measure_floor
 
     floor = measure_floor(cfg.n_layers, cfg.n_embd, cfg.n_head, cfg.n_kv_heads, cfg.intermediate_size,
-                          cfg.vocab_size, batches)
-    return {"ms_per_forward": {str(b): round(v, 3) for b, v in floor.items()}, "query_tokens": 64, "context": 512}
+                          cfg.vocab_size, batches, weights=weights)
+    return {"ms_per_forward": {str(b): round(v, 3) for b, v in floor.items()}, "query_tokens": 64, "context": 512,
+            "weights": weights}
 
 
 def run_record(module: str, preset_name: str, decoder: str, cuda: bool, dtype: torch.dtype, **extra) -> dict:
@@ -250,6 +251,9 @@ def main() -> None:
     ap.add_argument("--long-run", default="64x1024", help="CxN run for memory (empty to skip)")
     ap.add_argument("--max-pages", type=int, default=4096)
     ap.add_argument("--no-floor", action="store_true")
+    ap.add_argument("--weights", default="dense", choices=("dense", "fp8"),
+                    help="fp8: the trunk's projections in e4m3 (cde/fp8.py), against the FP8 floor; the dense "
+                         "(bf16) floor is measured too, as `floor_dense`")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-overlap", action="store_true", help="launch each step only after the previous one's "
                     "results are applied (measures what overlapping saves)")
@@ -277,17 +281,25 @@ def main() -> None:
     settings = [(k, None) for k in steps_k] + [(max(steps_k), t) for t in thresholds]
     result = run_record("bench.steerling", args.preset, "block", cuda, dtype,
                         tokens_per_step=steps_k[0] if len(settings) == 1 else [list(x) for x in settings],
-                        overlap=not args.no_overlap, floor=None, reference=None, runs=[])
+                        overlap=not args.no_overlap, floor=None, reference=None, runs=[], weights=args.weights)
     save = json_writer(args.out, result)
 
     if cuda and not args.no_floor:
         t = time.perf_counter()
-        result["floor"] = floor_record(cfg, sorted(set(concs + offs)))
-        print(f"floor ({time.perf_counter() - t:.0f} s): {result['floor']['ms_per_forward']}", flush=True)
+        result["floor"] = floor_record(cfg, sorted(set(concs + offs)), args.weights)
+        print(f"floor ({args.weights}, {time.perf_counter() - t:.0f} s): {result['floor']['ms_per_forward']}", flush=True)
+        if args.weights != "dense":
+            result["floor_dense"] = floor_record(cfg, sorted(set(concs + offs)))
+            print(f"floor (dense): {result['floor_dense']['ms_per_forward']}", flush=True)
         save()
 
     t = time.perf_counter()
     model = build_model(args.preset, args.device, dtype)
+    if args.weights == "fp8":
+        from cde.fp8 import to_fp8
+        to_fp8(model)
+        if cuda:
+            torch.cuda.empty_cache()
     vocab = min(cfg.vocab_size, 100_000)
     timer = GpuTimer(cuda)
 

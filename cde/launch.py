@@ -84,6 +84,26 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def worker_devices(a) -> list[str] | None:
+    """The device each worker is pinned to (`--devices`), None when not given. Sets --workers to
+    their count; refuses a contradicting --workers, an empty or duplicated entry."""
+    spec = getattr(a, "devices", None)
+    if spec is None:
+        return None
+    devices = [d.strip() for d in str(spec).split(",")]
+    if not all(devices) or len(set(devices)) != len(devices) or not all(d.isdigit() for d in devices):
+        raise LaunchError(f"--devices must list distinct GPU indices like 0,1: got {spec!r}")
+    tp = max(1, getattr(a, "tensor_parallel", 1) or 1)
+    if len(devices) % tp:
+        raise LaunchError(f"--devices {spec}: {len(devices)} devices do not split into workers of "
+                          f"--tensor-parallel {tp} GPUs")
+    # with --tensor-parallel N each worker sees N consecutive devices (its ranks take cuda:0..N-1)
+    groups = [",".join(devices[i:i + tp]) for i in range(0, len(devices), tp)]
+    if a.workers not in (1, len(groups)):
+        raise LaunchError(f"--workers {a.workers} contradicts --devices {spec} ({len(groups)} workers)")
+    return groups
+
+
 @dataclass
 class Service:
     name: str
@@ -143,6 +163,9 @@ class Stack:
 
     def start(self) -> None:
         a = self.args
+        devices = worker_devices(a)
+        if devices is not None:
+            a.workers = len(devices)
         self.prepare_internal_token()
         n_sched, n_attr = self.replica_counts()
         redis_url = getattr(a, "redis_url", None) or os.environ.get("REDIS_URL")
@@ -205,12 +228,18 @@ class Stack:
         ]
         # CPU workers on one machine split its cores: each with torch's default (all cores) they
         # oversubscribe them and every step slows down badly
-        threads = ["--threads", str(max(1, (os.cpu_count() or 1) // max(1, a.workers)))] if a.device == "cpu" else []
+        tp = max(1, getattr(a, "tensor_parallel", 1) or 1)
+        threads = (["--threads", str(max(1, (os.cpu_count() or 1) // max(1, a.workers * tp)))]
+                   if a.device == "cpu" else [])
+        tp_args = ["--tensor-parallel", str(tp)] if tp > 1 else []
+        weights = ["--weights", a.weights] if getattr(a, "weights", None) else []
         for i, wp in enumerate(worker_ports):
             self.services.append(Service(f"worker{i}", py + [
                 "worker_svc", "--model-dir", model, "--host", "127.0.0.1", "--port", str(wp),
                 "--scheduler", schedulers, "--worker-id", f"w{i}", "--device", a.device,
-                *threads, *getattr(a, "worker_args", ())], grpc_port=wp, health_service="cde.v1.Worker"))
+                *threads, *weights, *tp_args, *getattr(a, "worker_args", ())], grpc_port=wp, health_service="cde.v1.Worker",
+                # --devices: worker i sees only its device (as cuda:0), or its tensor-parallel group
+                env={} if devices is None else {"CUDA_VISIBLE_DEVICES": devices[i]}))
         self.services.append(Service("gateway", py + [
             "gateway", "--model-dir", model, "--host", a.host, "--http-port", str(p["gateway_http"]),
             "--grpc-port", str(p["gateway_grpc"]), "--scheduler", schedulers,
@@ -221,7 +250,7 @@ class Stack:
         self.env = env = self.service_env(REDIS_URL=redis_url)
         for svc in self.services:
             svc.log = self.run_dir / f"{svc.name}.log"
-            svc.proc = subprocess.Popen(svc.args, cwd=ROOT, env=env, stdout=svc.log.open("wb"),
+            svc.proc = subprocess.Popen(svc.args, cwd=ROOT, env={**env, **svc.env}, stdout=svc.log.open("wb"),
                                         stderr=subprocess.STDOUT, start_new_session=True)
             print(f"{svc.name:<10} pid {svc.proc.pid} log {svc.log}", flush=True)
         self.wait_healthy()
@@ -321,7 +350,7 @@ class Stack:
                 with svc.log.open("ab") as log:
                     log.write(f"---- cde.launch: {svc.name} exited with {svc.proc.returncode}; "
                               f"restarting it ----\n".encode())
-                    svc.proc = subprocess.Popen(svc.args, cwd=ROOT, env=self.env, stdout=log,
+                    svc.proc = subprocess.Popen(svc.args, cwd=ROOT, env={**self.env, **svc.env}, stdout=log,
                                                 stderr=subprocess.STDOUT, start_new_session=True)
                 print(f"{svc.name:<10} restarted, pid {svc.proc.pid}", flush=True)
 
@@ -406,8 +435,17 @@ def demo_request(base_url: str, causal: bool = False, concept: str = "sea") -> d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=str(DEFAULT_MODEL))
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default=None, help="the workers' torch device (default cpu; cuda with --devices)")
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                    help="each worker splits its model over N ranks (worker_svc --tensor-parallel; with --devices, "
+                         "each worker takes N consecutive listed GPUs)")
+    ap.add_argument("--weights", default=None, choices=("dense", "fp8"),
+                    help="the workers' --weights (fp8: the trunk's projections in e4m3; default: $CDE_WEIGHTS, "
+                         "else dense)")
+    ap.add_argument("--devices", default=None,
+                    help="one worker per listed GPU, e.g. 0,1 (each worker gets CUDA_VISIBLE_DEVICES=<id> and sees "
+                         "it as cuda:0; --device defaults to cuda then; --workers must be unset or equal the count)")
     ap.add_argument("--host", default="127.0.0.1", help="gateway bind address (internal services stay on 127.0.0.1)")
     ap.add_argument("--http-port", type=int, default=0,
                     help=f"gateway REST port (0 = {DEFAULT_HTTP_PORT} if free, else any)")
@@ -436,6 +474,8 @@ def main() -> None:
     ap.add_argument("--demo", action="store_true", help="send one demo request once healthy")
     ap.add_argument("--exit", action="store_true", help="stop everything after the demo")
     args = ap.parse_args()
+    if args.device is None:
+        args.device = "cuda" if args.devices is not None else "cpu"
     args.http_port = args.http_port or port_if_free(DEFAULT_HTTP_PORT)
     args.grpc_port = args.grpc_port or port_if_free(DEFAULT_GRPC_PORT)
     stack = Stack(args)

@@ -116,6 +116,10 @@ def steering_preset(n_layers: int, amplify: bool) -> SteeringPreset:
 # ---- attribution ------------------------------------------------------------------------
 DEFAULT_ATTRIBUTION_TOP_K = 8
 ATTRIBUTION_TOP_K_MAX = 64
+# input attribution (POST /v1/attributions/inputs): integrated gradients per target token
+DEFAULT_IG_STEPS = 32           # the public package's n_steps
+IG_STEPS_MAX = 256
+INPUT_TARGETS_MAX = 64          # generated tokens explained per call (a chunk counts its committed tokens)
 
 # ---- OpenAI fields accepted with one value only -------------------------------------------
 N_MAX = 16                      # n: choices per request (each its own scheduler request)
@@ -267,6 +271,13 @@ def check_list_limit(limit: int) -> None:
         raise LimitError("limit", f"limit must be in [1, {LIST_LIMIT_MAX}]")
 
 
+def check_input_attribution(n_steps: int, targets: int) -> None:
+    if not 1 <= n_steps <= IG_STEPS_MAX:
+        raise LimitError("n_steps", f"n_steps must be in [1, {IG_STEPS_MAX}]")
+    if not 1 <= targets <= INPUT_TARGETS_MAX:
+        raise LimitError("positions", f"between 1 and {INPUT_TARGETS_MAX} generated tokens per call; got {targets}")
+
+
 def check_top_tokens(top_tokens: int) -> None:
     if not 0 <= top_tokens <= TOP_TOKENS_MAX:
         raise LimitError("top_tokens", f"top_tokens must be in [0, {TOP_TOKENS_MAX}]")
@@ -304,11 +315,11 @@ def documented_limits() -> tuple[Limit, ...]:
               f"{_g(STEERLING_SAMPLING.repetition_penalty)} (causal: must be 1)"),
         Limit("`presence_penalty`, `frequency_penalty`, `logit_bias`", "0 / unset", "-",
               "any other value is refused (use `repetition_penalty`)"),
-        Limit("`seed`", f"[0, 2^64 - 1]", "server-chosen, reported as `cde.seed`"),
+        Limit("`seed`", "[0, 2^64 - 1]", "server-chosen, reported as `cde.seed`"),
         Limit("`n`", f"[1, {N_MAX}]", "1", "choice i runs with seed + i (mod 2^64)"),
         Limit("`best_of`", f"{BEST_OF_MAX}", f"{BEST_OF_MAX}"),
         Limit("`logprobs` (completions), `top_logprobs` (chat)", f"[0, {TOP_LOGPROBS_MAX}]", "unset",
-              "block-diffusion models: completions with `echo` and `echo_context_tokens` only"),
+              "block diffusion: generated tokens at their committing step; `echo` needs `echo_context_tokens`"),
         Limit("`echo_context_tokens`", "[1, prompt tokens]", "-",
               f"block diffusion echo logprobs: the context; {DEFAULT_MC_SAMPLES} masked copies, seeded by `seed`"),
         Limit("`stop`", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters", "none"),
@@ -327,6 +338,9 @@ def documented_limits() -> tuple[Limit, ...]:
         Limit("`steering.cutoff`", f"[{CUTOFF_MIN}, {CUTOFF_MAX}] tokens", f"{DEFAULT_CUTOFF}",
               "schedule `hard_cutoff` only"),
         Limit("`attribution_top_k`", f"[1, {ATTRIBUTION_TOP_K_MAX}]", f"{DEFAULT_ATTRIBUTION_TOP_K}"),
+        Limit("input attribution `n_steps`", f"[1, {IG_STEPS_MAX}]", f"{DEFAULT_IG_STEPS}",
+              "integrated-gradients points per target (`POST /v1/attributions/inputs`)"),
+        Limit("input attribution `positions` / `chunk`", f"1 to {INPUT_TARGETS_MAX} generated tokens per call", "-"),
         Limit("`GET /v1/concepts?q=` search", f"`q` at most {SEARCH_QUERY_MAX_CHARS} characters, "
               f"`limit` [1, {SEARCH_LIMIT_MAX}]", f"{DEFAULT_SEARCH_LIMIT}"),
         Limit("`GET /v1/concepts` listing `limit`", f"[1, {LIST_LIMIT_MAX}]", f"{DEFAULT_LIST_LIMIT}"),

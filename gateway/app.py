@@ -42,11 +42,13 @@ from gateway.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     GenerationFields,
+    InputAttributionBody,
     TokenizeRequest,
 )
 from gateway.stream import GenerationStream
 from gateway.ui import ui_router
-from gateway.translate import OpenAIFormatter, RestOptions, block_cde_json, chat_to_proto, completion_to_proto
+from gateway.translate import (OpenAIFormatter, RestOptions, block_cde_json, chat_to_proto, completion_to_proto,
+                               input_attribution_json)
 
 log = logging.getLogger("gateway.rest")
 
@@ -133,10 +135,10 @@ class Echo:
             return None
         return self.formatter.format(await self.scoring.prompt_entries())
 
-    async def output_logprobs(self, tokens: list[int]) -> dict[str, Any] | None:
+    async def output_logprobs(self, tokens: list[int], scores=()) -> dict[str, Any] | None:
         if self.scoring is None:
             return None
-        return self.formatter.format(await self.scoring.output_entries(tokens))
+        return self.formatter.format(await self.scoring.output_entries(tokens, scores))
 
 
 async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, opts: RestOptions,
@@ -144,6 +146,7 @@ async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, o
     stopper = StopStringMatcher(opts.stop_strings)
     text: list[str] = []
     tokens: list[int] = []
+    scores: list[common_pb2.TokenScore] = []   # block diffusion logprobs, in band
     blocks: list[dict[str, Any]] = []
     tas: list[dict[str, Any]] = []
     cas: list[dict[str, Any]] = []
@@ -158,6 +161,7 @@ async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, o
             piece = stopper.feed(ev.block.text)
             text.append(piece)
             tokens += ev.block.tokens
+            scores += ev.block.logprobs
             bj = block_cde_json(fmt.tokenizer, ev.block)
             tas += bj.pop("token_attributions")
             cas += bj.pop("chunk_attributions")
@@ -175,7 +179,7 @@ async def _collect(stream: GenerationStream, first: Any, fmt: OpenAIFormatter, o
     body = fmt.response(echo.text + "".join(text), reason, usage, cde)
     if echo.scoring is not None:
         body["choices"][0]["logprobs"] = echo.formatter.format(
-            await echo.scoring.response_entries(tokens[:usage.completion_tokens]))
+            await echo.scoring.response_entries(tokens[:usage.completion_tokens], scores))
     return body
 
 
@@ -206,7 +210,8 @@ async def _sse_batches(stream: GenerationStream, first: Any, fmt: OpenAIFormatte
                 if usage is not None:
                     tokens = tokens[:max(0, usage.completion_tokens - sent_tokens)]
                 sent_tokens += len(tokens)
-                out.append(_with_logprobs(fmt.block_chunk(ev.block, piece), await echo.output_logprobs(tokens)))
+                out.append(_with_logprobs(fmt.block_chunk(ev.block, piece),
+                                          await echo.output_logprobs(tokens, ev.block.logprobs)))
                 if usage is not None:
                     out.append(fmt.final_chunk("stop"))
                     if opts.include_usage:
@@ -364,9 +369,9 @@ def _echo(pipeline: Pipeline, body: GenerationFields, greq: generate_pb2.Generat
         ask, text = chat_ask(body.logprobs, body.top_logprobs, model.causal), ""
     if ask is None:
         return Echo(text)
-    scoring = Scoring(pipeline.backends.scheduler, model.id, ask, prompt, prepared.seed,
-                      pipeline.limits.request_timeout_s or pipeline.limits.backend_timeout_s)
-    return Echo(text, scoring, LogprobFormatter(model.tokenizer, ask))
+    if ask.in_band:   # the worker's sampler records them (block diffusion)
+        prepared.submit.top_logprobs = ask.top
+    return Echo(text, pipeline.scoring(ask, prepared), LogprobFormatter(model.tokenizer, ask))
 
 
 @router.post("/v1/completions", tags=["generation"])
@@ -379,6 +384,58 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     """Chat completion (OpenAI); the model's chat template is applied to `messages`."""
     return await _generate(request, body, chat_to_proto(body))
+
+
+_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+@router.post("/v1/attributions/inputs", tags=["attribution"])
+async def input_attributions(request: Request, body: InputAttributionBody) -> Response:
+    """Which prompt and earlier generated tokens made the model commit tokens of a finished
+    block-diffusion request: integrated gradients from a MASK baseline on the exact partially masked
+    input of the step that committed each token (the public package's faithful diffusion replay;
+    steered requests replay their injection), computed by the attribution tier from the stored
+    request. JSON `{"request_id", "n_steps", "targets": [...], "summary"}`; `stream: true` sends
+    progress events, each target and the summary as SSE, then `[DONE]`."""
+    pipeline = _pipeline(request)
+    rid = body.request_id
+    for prefix in _ID_PREFIXES:
+        if rid.startswith(prefix):
+            rid = rid[len(prefix):]
+            break
+    req = common_pb2.InputAttributionRequest(request_id=rid, positions=body.positions or [],
+                                             n_steps=body.n_steps or 0)
+    if body.chunk is not None:
+        if body.positions:
+            raise invalid("give positions or chunk, not both", "chunk")
+        if body.chunk.end <= body.chunk.start:
+            raise invalid("chunk.end must be greater than chunk.start", "chunk.end")
+        req.chunk_start, req.chunk_end = body.chunk.start, body.chunk.end
+    tok = pipeline.model.tokenizer
+    events = pipeline.attribute_inputs(req)
+    if body.stream:
+        first = await anext(events)   # errors before the stream starts are answered as HTTP errors
+
+        async def sse() -> AsyncIterator[str]:
+            yield _sse(input_attribution_json(tok, first))
+            async for ev in events:
+                yield _sse(input_attribution_json(tok, ev))
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    targets, summary = [], None
+    async for ev in events:
+        kind = ev.WhichOneof("event")
+        if kind == "target":
+            targets.append(input_attribution_json(tok, ev))
+        elif kind == "summary":
+            summary = input_attribution_json(tok, ev)
+    for t in targets:
+        t.pop("object")
+    if summary is not None:
+        summary.pop("object")
+    return JSONResponse({"object": "cde.input_attribution", "request_id": rid,
+                         "n_steps": summary["n_steps"] if summary else body.n_steps, "targets": targets,
+                         "summary": summary})
 
 
 @router.post("/v1/requests/{request_id}/cancel", tags=["generation"])

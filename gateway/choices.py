@@ -5,7 +5,10 @@ options, prepared steering); choice i runs with seed (seed + i) mod 2^64, so cho
 n = 1 request with the same seed and choice i the n = 1 request with seed + i (greedy choices
 are all the same text). Ids: choice 0 keeps the request id, choice i gets "<id>-<i>"; the
 response's `id` is choice 0's. Usage counts the prompt once and every choice's completion.
-Choices do not share KV pages yet: each prefills the prompt (prefix caching will share them).
+Choices share the prompt's KV pages on a worker with prefix caching (the default): the first
+choice admitted prefills the prompt's full 64-token blocks, the others wait for them and reuse
+the pages (`worker_svc/engine/request_table.py`); the scheduler keeps them on one worker while it
+has room (prompt affinity, `scheduler_svc/workers.py`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ class DetokResult:
     tokens: list[int]   # output tokens of this block: no mask/pad ids, nothing from the stop on
     text: str           # text they add (UTF-8 safe across block edges)
     stopped: bool       # a stop id was seen in this block (or earlier)
+    kept: list[int] = field(default_factory=list)   # the indices in the block's raw tokens of `tokens`
 
 
 class BlockDetokenizer:
@@ -45,17 +46,19 @@ class BlockDetokenizer:
 
     def feed(self, raw_tokens: Sequence[int]) -> DetokResult:
         out: list[int] = []
+        kept: list[int] = []
         if not self.stopped:
-            for t in map(int, raw_tokens):
+            for i, t in enumerate(map(int, raw_tokens)):
                 if t in self._stop:
                     self.stopped = True
                     break
                 if t in self._skip:
                     continue
                 out.append(t)
+                kept.append(i)
         self.n_tokens += len(out)
         text = self._utf8.decode(self._tok.decode_bytes(out), final=False) if out else ""
-        return DetokResult(out, text, self.stopped)
+        return DetokResult(out, text, self.stopped, kept)
 
     def flush(self) -> str:
         """Whatever an unfinished UTF-8 sequence at the very end decodes to (U+FFFD or "")."""

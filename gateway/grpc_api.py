@@ -17,8 +17,14 @@ import grpc
 from cde.rpc.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from gateway.auth import ApiKeyAuth
 from gateway.errors import GatewayError, clip_message, grpc_message
+from gateway.logprobs import Scoring, chat_ask
 from gateway.pipeline import Pipeline
 from gateway.stream import GenerationStream
+
+
+async def _attach_logprobs(block: generate_pb2.BlockEvent, scoring: Scoring) -> None:
+    """The block's tokens scored after those of the blocks before it (one Score call per block)."""
+    block.logprobs.extend(await scoring.output_scores(list(block.tokens)))
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
@@ -35,12 +41,15 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self.pipeline.metrics.failed(e.http_status)
         await context.abort(e.code, clip_message(grpc_message(e.message, e.param)), trailing_metadata=e.trailing_metadata())
 
-    async def _relay(self, stream: GenerationStream, context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def _relay(self, stream: GenerationStream, context: grpc.aio.ServicerContext,
+                     scoring: Scoring | None = None) -> AsyncIterator[generate_pb2.GenerateResponse]:
         try:
             async for ev in stream:
                 if ev.WhichOneof("event") == "finished" and ev.finished.reason == common_pb2.FINISH_REASON_ERROR:
                     yield ev  # the Finished(ERROR) message says what went wrong; the stream itself ends OK
                     return
+                if scoring is not None and ev.WhichOneof("event") == "block":
+                    await _attach_logprobs(ev.block, scoring)
                 yield ev
         except GatewayError as e:
             await self._abort(context, e)
@@ -52,11 +61,17 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         try:
             self._authorize(context)
             prepared = await self.pipeline.prepare(request)
+            ask = chat_ask(request.logprobs, request.top_logprobs, self.pipeline.model.causal)
+            scoring = None
+            if ask is not None and ask.in_band:   # block diffusion: the blocks bring them
+                prepared.submit.top_logprobs = ask.top
+            elif ask is not None:
+                scoring = self.pipeline.scoring(ask, prepared)
             stream = self.pipeline.open(prepared, client_remaining=context.time_remaining())
         except GatewayError as e:
             await self._abort(context, e)
             return
-        async for ev in self._relay(stream, context):
+        async for ev in self._relay(stream, context, scoring):
             yield ev
 
     async def Resume(self, request: common_pb2.ResumeRequest,
@@ -78,6 +93,14 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         except GatewayError as e:
             await self._abort(context, e)
             raise  # unreachable: abort raises
+
+    async def AttributeInputs(self, request: common_pb2.InputAttributionRequest, context: grpc.aio.ServicerContext):
+        try:
+            self._authorize(context)
+            async for ev in self.pipeline.attribute_inputs(request):
+                yield ev
+        except GatewayError as e:
+            await self._abort(context, e)
 
     async def ListModels(self, request: generate_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> generate_pb2.ListModelsResponse:

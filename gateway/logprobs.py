@@ -10,8 +10,12 @@ Where the numbers come from:
 * a block-diffusion (Steerling) model: `echo` scores the prompt's continuation with the public
   package's lm-eval estimate (a Monte Carlo ELBO; `echo_context_tokens` leading tokens are the
   context, their entries null); each scored token's value is its share of the estimate, so a
-  sum over the continuation is the package's loglikelihood. Generated tokens carry null: the
-  distribution at a token's committing step is not served yet.
+  sum over the continuation is the package's loglikelihood. A generated token's logprob is the
+  log-softmax over the raw logits (before repetition penalty, bans and temperature; with the
+  request's steering, which acts inside the trunk) at the position and step that committed it,
+  computed by the worker's sampler and carried in its block (`BlockCommitted.logprobs`): no
+  Score call. It is the distribution the token was drawn from at that step, conditioned on the
+  block's tokens committed before it, not a left-to-right factorisation of the text.
 
 Completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (the first prompt
 token's logprob is null: nothing predicts it); `top_logprobs` holds the `logprobs` most likely
@@ -39,6 +43,7 @@ class LogprobsAsk:
     generated: bool                 # the generated tokens' logprobs (a causal model's only)
     context_tokens: int = 0         # block diffusion + echo: the context the ELBO conditions on
     chat: bool = False
+    in_band: bool = False           # block diffusion: the generated tokens' logprobs come with their blocks
 
 
 def completion_ask(logprobs: int | None, echo: bool, context_tokens: int | None, causal: bool,
@@ -56,15 +61,16 @@ def completion_ask(logprobs: int | None, echo: bool, context_tokens: int | None,
                           "every prompt token exactly)", "echo_context_tokens")
         return LogprobsAsk(logprobs, echo, True)
     if not echo:
-        raise invalid("logprobs of generated tokens are not served for block-diffusion models yet; "
-                      "echo: true with echo_context_tokens scores given text", "logprobs")
+        if context_tokens is not None:
+            raise invalid("echo_context_tokens applies to echo with logprobs", "echo_context_tokens")
+        return LogprobsAsk(logprobs, False, True, in_band=True)
     if context_tokens is None:
         raise invalid("a block-diffusion model scores a continuation given a context: echo_context_tokens "
                       "(how many leading prompt tokens are the context) is required with echo and logprobs",
                       "echo_context_tokens")
     if not 1 <= context_tokens <= n_prompt:
         raise invalid(f"echo_context_tokens must be in [1, {n_prompt}] (the prompt's tokens)", "echo_context_tokens")
-    return LogprobsAsk(logprobs, True, False, context_tokens)
+    return LogprobsAsk(logprobs, True, True, context_tokens, in_band=True)
 
 
 def chat_ask(logprobs: bool | None, top_logprobs: int | None, causal: bool) -> LogprobsAsk | None:
@@ -75,9 +81,7 @@ def chat_ask(logprobs: bool | None, top_logprobs: int | None, causal: bool) -> L
     top = top_logprobs or 0
     if not 0 <= top <= L.TOP_LOGPROBS_MAX:
         raise invalid(f"top_logprobs must be in [0, {L.TOP_LOGPROBS_MAX}]", "top_logprobs")
-    if not causal:
-        raise invalid("logprobs of generated tokens are not served for block-diffusion models yet", "logprobs")
-    return LogprobsAsk(top, False, True, chat=True)
+    return LogprobsAsk(top, False, True, chat=True, in_band=not causal)
 
 
 @dataclass
@@ -118,21 +122,33 @@ class Scoring:
         scores = await self._score(self.prompt, first)
         return [Entry(t) for t in self.prompt[:first]] + _entries(self.prompt[first:], scores)
 
-    async def response_entries(self, tokens: list[int]) -> list[Entry]:
-        """A whole response's entries, the echoed prompt (if asked) then `tokens`, in one Score call."""
-        if not (self.ask.echo and self.ask.generated):
+    async def response_entries(self, tokens: list[int], scores: list[common_pb2.TokenScore] = ()) -> list[Entry]:
+        """A whole response's entries, the echoed prompt (if asked) then `tokens`, in one Score call
+        (in band: `scores` are the generated tokens', from their blocks)."""
+        if self.ask.in_band or not (self.ask.echo and self.ask.generated):
             head = await self.prompt_entries() if self.ask.echo else []
-            return head + await self.output_entries(tokens)
+            return head + await self.output_entries(tokens, scores)
         first = min(self.ask.context_tokens or 1, len(self.prompt))
         self.output += tokens
         every = self.prompt + self.output
         scores = await self._score(every, first) if first < len(every) else []
         return [Entry(t) for t in every[:first]] + _entries(every[first:], scores)
 
-    async def output_entries(self, tokens: list[int]) -> list[Entry]:
-        """The next generated tokens (after those scored before)."""
+    async def output_scores(self, tokens: list[int]) -> list[common_pb2.TokenScore]:
+        """The next generated tokens' scores as the worker gives them (a causal model's; gRPC)."""
         if not tokens:
             return []
+        start = len(self.prompt) + len(self.output)
+        self.output += tokens
+        return await self._score(self.prompt + self.output, start)
+
+    async def output_entries(self, tokens: list[int], scores: list[common_pb2.TokenScore] = ()) -> list[Entry]:
+        """The next generated tokens (after those scored before); in band, `scores` are theirs."""
+        if not tokens:
+            return []
+        if self.ask.in_band:
+            self.output += tokens
+            return _entries(tokens, list(scores)[:len(tokens)])
         if not self.ask.generated:
             self.output += tokens
             return [Entry(t) for t in tokens]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from cde.rpc.v1 import common_pb2, scheduler_pb2
@@ -95,6 +95,23 @@ class SchedulerStatsCollector:
                 ("cde:worker_draining", "1 while a worker drains (SIGTERM): it takes no new requests.",
                  lambda w: int(w.draining))):
             yield gauge(name, doc, [([m, w.worker_id], value(w)) for w in workers], per_worker=True)
+        # The prefix cache, as vLLM names it (`_total` is the exposition's suffix): the sums over the
+        # workers registered now and each worker's own; a restarted worker starts again from 0.
+        for name, doc, value in (
+                ("cde:prefix_cache_queries", "Prompt (and resumed) tokens of requests the workers admitted.",
+                 lambda w: w.prefix_cache_queries),
+                ("cde:prefix_cache_hits", "Of those, tokens whose K/V came from the prefix cache.",
+                 lambda w: w.prefix_cache_hits)):
+            if s is None:
+                continue
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([m], sum(value(w) for w in workers))
+            yield c
+            c = CounterMetricFamily(name.replace("cde:", "cde:worker_"), doc + " One worker's.",
+                                    labels=["model_name", "worker_id"])
+            for w in workers:
+                c.add_metric([m, w.worker_id], value(w))
+            yield c
 
 
 class GatewayMetrics:

@@ -21,6 +21,7 @@ from cde.rpc.v1 import common_pb2, generate_pb2, scheduler_pb2, steering_pb2
 from gateway.backends import Backends
 from gateway.detok import BlockDetokenizer
 from gateway.errors import from_rpc_error, invalid
+from gateway.logprobs import LogprobsAsk, Scoring
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.resolve import Limits, ModelCard, Prepared, RequestResolver, limit_errors_as_invalid
 from gateway.stream import GenerationStream, Reattach, attach_metadata
@@ -99,6 +100,33 @@ class Pipeline(RequestResolver):
         except grpc.aio.AioRpcError as e:   # the scheduler's detach grace cancels it later instead
             log.warning("request %s: Detach failed (%s: %s)", request_id, e.code().name, e.details())
 
+    # ---- input attribution -------------------------------------------------------------------
+    def _check_input_attribution(self, req: common_pb2.InputAttributionRequest) -> None:
+        """What the gateway can check before the scheduler: 400 naming the field."""
+        if self.model.causal:
+            raise invalid(f"model '{self.model.id}' is a causal LM: input attribution explains block-diffusion "
+                          "generations", "request_id")
+        if not req.request_id:
+            raise invalid("request_id is required", "request_id")
+        if req.n_steps > L.IG_STEPS_MAX:
+            raise invalid(f"n_steps must be in [1, {L.IG_STEPS_MAX}] (0 or unset: {L.DEFAULT_IG_STEPS})", "n_steps")
+        if len(req.positions) > L.INPUT_TARGETS_MAX:
+            raise invalid(f"at most {L.INPUT_TARGETS_MAX} positions per call; got {len(req.positions)}", "positions")
+        if not req.positions and req.chunk_end <= req.chunk_start:
+            raise invalid("give positions, or a chunk with end > start", "positions")
+
+    async def attribute_inputs(self, req: common_pb2.InputAttributionRequest):
+        """The scheduler's stream of input-attribution events (progress, targets, summary)."""
+        self._check_input_attribution(req)
+        call = self.backends.scheduler.AttributeInputs(req, timeout=self.limits.request_timeout_s)
+        try:
+            async for ev in call:
+                yield ev
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "scheduler") from None
+        finally:
+            call.cancel()
+
     # ---- unary ------------------------------------------------------------------------------
     async def cancel(self, request_id: str) -> common_pb2.CancelResponse:
         if not request_id:
@@ -147,6 +175,11 @@ class Pipeline(RequestResolver):
             if err.code == grpc.StatusCode.NOT_FOUND:
                 err.param, err.err_code = "concept_id", "concept_not_found"
             raise err from None
+
+    def scoring(self, ask: LogprobsAsk, prepared: Prepared) -> Scoring:
+        """The Score calls that answer a prepared request's logprobs (through the scheduler)."""
+        return Scoring(self.backends.scheduler, self.model.id, ask, list(prepared.submit.prompt_tokens), prepared.seed,
+                       self.limits.request_timeout_s or self.limits.backend_timeout_s)
 
     def list_models(self) -> generate_pb2.ListModelsResponse:
         return generate_pb2.ListModelsResponse(models=[self.model.info()])

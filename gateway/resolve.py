@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 
 from cde import limits as L
+from cde.grammar import GrammarError, compile_format
 from cde.model_family import CAUSAL, STEERLING, model_family
 from cde.qwen3.chat import ChatTokenizer, load_chat_tokenizer
 from cde.qwen3.config import Qwen3Config
@@ -121,7 +122,20 @@ class RequestResolver:
             options=options, attribution=req.attribution, attribution_top_k=top_k, stream_steps=req.stream_steps)
         if steering is not None:
             submit.steering.CopyFrom(steering)
+        grammar = self.grammar(req)
+        if grammar is not None:
+            submit.grammar = grammar
         return Prepared(submit, len(prompt))
+
+    def grammar(self, req: generate_pb2.GenerateRequest) -> str | None:
+        """The request's response_format compiled (400 naming the field when the schema or regex is bad)."""
+        which = req.response_format.WhichOneof("format") if req.HasField("response_format") else None
+        if which is None:
+            return None
+        try:
+            return compile_format(which, getattr(req.response_format, which))
+        except GrammarError as e:
+            raise invalid(f"{e.field} {e.message}", e.field) from None
 
     def check_model(self, name: str) -> None:
         if name and name != self.model.id:

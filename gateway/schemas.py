@@ -19,6 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cde import limits as L
 from cde.limits import (
     AMPLIFY_TARGET,
+    DEFAULT_IG_STEPS,
+    IG_STEPS_MAX,
+    INPUT_TARGETS_MAX,
     ATTRIBUTION_TOP_K_MAX,
     BEST_OF_MAX,
     CONCEPT_NAME_MAX,
@@ -135,12 +138,17 @@ class GenerationFields(BaseModel):
     context. `seed` unset => the server picks one and reports it under `cde.seed`.
     Extensions: `steering`, `attribution` (+ `attribution_top_k`), `decode`, `sampling`,
     `stream_mode` ("steps" adds `object: "cde.step"` SSE chunks), `repetition_penalty`,
-    `stop_token_ids`.
+    `stop_token_ids`, `response_format` type "regex".
     """
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
+    response_format: dict[str, Any] | None = Field(None, description=(
+        "structured output: {\"type\": \"text\"}, {\"type\": \"json_object\"}, "
+        "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}} or "
+        "{\"type\": \"regex\", \"regex\": \"...\"}; the output matches it (block diffusion: committed left to right, one "
+        "token a step)"))
     # --max-tokens-limit and the context are the server's and the model's: gateway.resolve checks them.
     max_tokens: Annotated[int, Field(ge=1, le=U32_MAX, description=(
         f"[1, --max-tokens-limit (default {MAX_TOKENS_LIMIT})], prompt + max_tokens within the context; "
@@ -239,14 +247,32 @@ class ChatCompletionRequest(GenerationFields):
         f"[0, {TOP_LOGPROBS_MAX}] most likely alternatives per token; needs logprobs"))] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools or self.functions:
             return "tools", "tool calling is not supported"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format", "only response_format {'type': 'text'} is supported"
         return super().unsupported()
+
+
+class InputChunk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    start: Annotated[int, Field(ge=0, le=U32_MAX)]
+    end: Annotated[int, Field(ge=0, le=U32_MAX)]
+
+
+class InputAttributionBody(BaseModel):
+    """POST /v1/attributions/inputs: explain generated tokens of a finished request by the prompt
+    and earlier tokens (integrated gradients on the diffusion replay)."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: Annotated[str, Field(min_length=1, max_length=200, description=(
+        "the request's id (a response's `id`, with or without its cmpl- / chatcmpl- prefix)"))]
+    positions: Annotated[list[Annotated[int, Field(ge=0, le=U32_MAX)]], Field(max_length=INPUT_TARGETS_MAX, description=(
+        f"absolute positions of generated tokens (at most {INPUT_TARGETS_MAX})"))] | None = None
+    chunk: InputChunk | None = Field(None, description="or every committed token in [start, end)")
+    n_steps: Annotated[int, Field(ge=1, le=IG_STEPS_MAX, description=(
+        f"integrated-gradients points, [1, {IG_STEPS_MAX}], default {DEFAULT_IG_STEPS}"))] | None = None
+    stream: bool = Field(False, description="SSE: progress events, each target as it is done, the summary, [DONE]")
 
 
 class TokenizeRequest(BaseModel):

@@ -197,6 +197,7 @@ class GenerationStream:
             self.timer.block(len(res.tokens))
             return generate_pb2.GenerateResponse(block=generate_pb2.BlockEvent(
                 block_index=b.block_index, start=b.start, tokens=res.tokens, text=res.text,
+                logprobs=[b.logprobs[i] for i in res.kept] if b.logprobs else [],
                 token_attributions=b.token_attributions, chunk_attributions=b.chunk_attributions))
         if kind == "finished":
             self.done = self._ended = True

@@ -12,10 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cde.grammar import GrammarError, response_format_fields
 from cde.rpc.v1 import common_pb2, generate_pb2
 from cde.steerling.tokenizer import Tokenizer
 from gateway.detok import token_text
-from gateway.errors import utf8_safe
+from gateway.errors import invalid, utf8_safe
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
 
 _ATTRIBUTION = {"none": common_pb2.ATTRIBUTION_NONE, "tokens": common_pb2.ATTRIBUTION_TOKENS,
@@ -36,6 +37,13 @@ class RestOptions:
 
 def _common(body: GenerationFields, req: generate_pb2.GenerateRequest, max_tokens: int | None) -> None:
     req.model = utf8_safe(body.model or "")
+    try:
+        fmt = response_format_fields(body.response_format)
+    except GrammarError as e:
+        raise invalid(e.message if e.message.startswith(e.field) else f"{e.field} {e.message}", e.field) from None
+    if fmt:
+        (which, value), = fmt.items()
+        setattr(req.response_format, which, utf8_safe(value) if isinstance(value, str) else value)
     d = req.decode
     if max_tokens is not None:
         d.max_new_tokens = max_tokens
@@ -124,6 +132,23 @@ def _f32(x: float) -> float:
     """A float32 attribution value with the 9 significant digits that round-trip it, so that the
     terms the API lists add up to the token's logit to float32 rounding, not to a decimal cut."""
     return float(f"{float(x):.9g}")
+
+
+def input_attribution_json(tok: Tokenizer, ev: common_pb2.InputAttributionEvent) -> dict[str, Any]:
+    """One input-attribution event as REST sends it (a progress event, a target, the summary)."""
+    kind = ev.WhichOneof("event")
+    if kind == "progress":
+        return {"object": "cde.input_attribution.progress", "done": ev.progress.done, "total": ev.progress.total}
+    if kind == "target":
+        t = ev.target
+        return {"object": "cde.input_attribution.target", "position": t.position, "token": t.token,
+                "text": token_text(tok, t.token), "commit_order": t.commit_order,
+                "inputs": [{"position": s.position, "token": s.token, "text": token_text(tok, s.token),
+                            "score": _f32(s.score), "normalized": _f32(s.normalized)} for s in t.inputs]}
+    s = ev.summary
+    return {"object": "cde.input_attribution.summary", "targets": s.targets, "n_steps": s.n_steps,
+            "prompt": [{"position": x.position, "token": x.token, "text": token_text(tok, x.token),
+                        "score": _f32(x.score)} for x in s.prompt]}
 
 
 def scores_json(top: Any) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from scheduler_svc.endings import Endings
 from scheduler_svc.run_context import Deadline, DeadlinePassed, RunContext
 from scheduler_svc.spec import pages_needed
 from scheduler_svc.state import RUNNING, Claimed
-from scheduler_svc.workers import Reservation
+from scheduler_svc.workers import Reservation, prompt_prefix
 
 
 class Placement:
@@ -45,12 +45,13 @@ class Placement:
         `unplace` gives them back if the create does not happen."""
         if self.ctx.slots.locked():
             return None
-        worker = self.ctx.pool.pick(self.request.model, self.avoid)
+        prefix = prompt_prefix(self.request.prompt_tokens)
+        worker = self.ctx.pool.pick(self.request.model, self.avoid, self.pages, prefix)
         if worker is None:
             return None
         await self.ctx.slots.acquire()   # not locked: takes a slot at once, no suspension (no await above)
         self.has_slot = True
-        return self.ctx.pool.reserve(worker, self.rid, self.pages, self.on_worker_lost)
+        return self.ctx.pool.reserve(worker, self.rid, self.pages, self.on_worker_lost, prefix)
 
     def unplace(self, placed: Reservation | None) -> None:
         if placed is not None:
@@ -98,7 +99,9 @@ class Placement:
                     continue
             wait = limits.queue_timeout_s
             left = self.deadline.left()
-            worker = await pool.wait_for(self.request.model, self.avoid, wait if left is None else min(wait, left))
+            prefix = prompt_prefix(self.request.prompt_tokens)
+            worker = await pool.wait_for(self.request.model, self.avoid, wait if left is None else min(wait, left),
+                                         self.pages, prefix)
             if worker is None:
                 self.deadline.left()
                 if self.request.model and pool.live():
@@ -109,7 +112,7 @@ class Placement:
                 return None
             # Reserve the pages before the next await: the other runs of a burst pick meanwhile and
             # must see them, or they all land on the same worker.
-            reservation = pool.reserve(worker, self.rid, self.pages, self.on_worker_lost)
+            reservation = pool.reserve(worker, self.rid, self.pages, self.on_worker_lost, prefix)
             try:
                 claimed = await store.claim(self.rid, worker.worker_id)
             except BaseException:

@@ -40,7 +40,7 @@ import redis.exceptions
 from cde.redis_connect import RedisTarget
 from cde.rpc import make_server, service_name
 from cde.rpc.serving import serve_until_signal
-from cde.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from cde.rpc.v1 import attribution_pb2, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.admission import Admission
 from scheduler_svc.attribution_pool import attribution_pool
 from scheduler_svc.endings import stored_finished
@@ -50,7 +50,7 @@ from scheduler_svc.leadership import LeaderLoop, Leadership, default_instance_id
 from scheduler_svc.run import RequestRun
 from scheduler_svc.run_context import RunContext, RunLimits
 from scheduler_svc.spec import accepted, check_submit, decode_spec, encode_spec, stored_after
-from scheduler_svc.state import RequestStore, check_request_id
+from scheduler_svc.state import FINISHED, RequestStore, check_request_id
 from scheduler_svc.workers import WorkerIdTaken, WorkerPool
 
 log = logging.getLogger("scheduler_svc")
@@ -490,6 +490,39 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     await context.abort(e.code(), e.details() or "scoring failed")
                 last = f"worker {worker.worker_id}: {e.details()}"
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker scored the tokens ({last})")
+
+    @_redis_guard_stream
+    async def AttributeInputs(self, request, context):
+        """Input attribution of a finished request: its stored spec and blocks go to an attribution
+        replica (which replays it and computes the integrated gradients); its events are relayed."""
+        await self._ready(context)
+        rid = request.request_id
+        await self._check_request_id(context, rid)
+        st = await self.core.store.get(rid)
+        if st is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request {rid!r} (finished requests are kept "
+                                f"{self.core.opts.finished_ttl_s} s)")
+        if st.status != FINISHED:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"request {rid!r} is {st.status}: input attribution explains finished requests")
+        spec, _ = decode_spec(st.spec)
+        if spec.options.WhichOneof("decoder") != "block_diffusion":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "input attribution explains block-diffusion (Steerling) generations")
+        if self.core.attribution is None or not len(self.core.attribution):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no attribution service is configured")
+        blocks = [common_pb2.BlockCommitted.FromString(p) for _, p in await self.core.store.blocks(rid)]
+        job = attribution_pb2.InputAttributionJob(
+            request_id=rid, model=spec.model, prompt_tokens=spec.prompt_tokens, options=spec.options,
+            generated=[t for b in blocks for t in b.tokens], positions=request.positions,
+            chunk_start=request.chunk_start, chunk_end=request.chunk_end, n_steps=request.n_steps)
+        if spec.HasField("steering"):
+            job.steering.CopyFrom(spec.steering)
+        try:
+            async for ev in self.core.attribution.next_stub().AttributeInputs(job, timeout=context.time_remaining()):
+                yield ev
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or "input attribution failed")
 
     async def Stats(self, request, context):
         runs = list(self.core.runs.values())

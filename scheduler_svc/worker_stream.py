@@ -78,7 +78,9 @@ class WorkerStream:
             request_id=self.rid, prompt_tokens=r.prompt_tokens,
             committed_tokens=[t for b in blocks for t in b.tokens],
             next_step=blocks[-1].next_step if blocks else 0, options=r.options, stream_steps=r.stream_steps,
-            no_records=not self.blocks.wants_records)
+            no_records=not self.blocks.wants_records, grammar=r.grammar)
+        if r.HasField("top_logprobs"):
+            submit.top_logprobs = r.top_logprobs
         if r.HasField("steering"):
             submit.steering.CopyFrom(r.steering)
         return submit

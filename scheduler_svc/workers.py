@@ -15,6 +15,12 @@ total minus the pages of the requests streaming from it (a heartbeat may predate
 engine's allocation for them). A worker whose heartbeat says ``draining`` (it got SIGTERM and
 finishes its running requests before exiting, worker_svc/drain.py) gets no new requests.
 
+Prompt affinity: a request whose prompt's first 64-token block is the same as a recent
+request's (n > 1 choices, a shared system prompt) goes to that request's worker, where the
+prefix cache holds the block's K/V, while that worker has the pages for it and at least half the
+free pages of the emptiest one (so affinity never piles a burst onto one worker). The map is
+this instance's memory only, the last `AFFINITY_ENTRIES` prefixes.
+
 Reservations: the pool owns that bookkeeping. A run calls ``reserve`` when it picks a worker
 (before its next await, so the other runs of a burst see the pages), and ``release`` when its
 stream there ends, or with ``placed=False`` when the placement did not happen after all.
@@ -25,12 +31,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import json_format
 
+from cde.blocks import BLOCK
 from cde.rpc.internal_auth import internal_channel
 from cde.rpc.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from scheduler_svc.state import RequestStore
@@ -77,6 +85,14 @@ class WorkerHandle:
         return min(reported, streaming)
 
 
+AFFINITY_ENTRIES = 4096   # prompt prefixes remembered for placement
+
+
+def prompt_prefix(prompt_tokens) -> tuple[int, ...] | None:
+    """A prompt's first full 64-token block (the prefix cache's first key), or None when shorter."""
+    return tuple(prompt_tokens[:BLOCK]) if len(prompt_tokens) >= BLOCK else None
+
+
 class WorkerPool:
     def __init__(self, store: RequestStore, heartbeat_ms: int, dead_after: float = 3.0):
         self.store = store
@@ -84,6 +100,7 @@ class WorkerPool:
         self.dead_after_s = dead_after * heartbeat_ms / 1000
         self.workers: dict[str, WorkerHandle] = {}
         self.changed = asyncio.Condition()
+        self._affinity: OrderedDict[Hashable, str] = OrderedDict()   # prompt prefix -> worker id (`pick`)
         # called with the ids moved back to the queue from a dead worker (adopt orphans)
         self.on_requeued: Callable[[list[str]], Awaitable[None]] | None = None
 
@@ -164,17 +181,30 @@ class WorkerPool:
         return [h for h in self.workers.values() if not h.dead and (not model or h.info.model == model)]
 
     # ---- placement ------------------------------------------------------------------------------
-    def pick(self, model: str, avoid: set[str]) -> WorkerHandle | None:
+    def pick(self, model: str, avoid: set[str], pages: int = 0, prefix: Hashable | None = None) -> WorkerHandle | None:
+        """The worker for a request of ``pages`` pages whose prompt starts with ``prefix``
+        (`prompt_prefix`; None: no affinity)."""
         # a draining worker (SIGTERM) finishes what it runs and takes nothing new
         cands = [h for h in self.live(model) if not h.info.draining]
         preferred = [h for h in cands if h.worker_id not in avoid] or cands
         if not preferred:
             return None
-        return max(preferred, key=lambda h: (h.free_pages, -len(h.reservations), h.worker_id))
+        best = max(preferred, key=lambda h: (h.free_pages, -len(h.reservations), h.worker_id))
+        near = self.workers.get(self._affinity.get(prefix, "")) if prefix is not None else None
+        if (near is not None and near is not best and near in preferred
+                and near.free_pages >= max(pages, best.free_pages // 2)):
+            return near
+        return best
 
     def reserve(self, worker: WorkerHandle, request_id: str, pages: int,
-                on_lost: Callable[[str], None]) -> Reservation:
-        """Count ``pages`` on ``worker`` for a request placed there (free pages drop at once)."""
+                on_lost: Callable[[str], None], prefix: Hashable | None = None) -> Reservation:
+        """Count ``pages`` on ``worker`` for a request placed there (free pages drop at once);
+        later requests with the same ``prefix`` prefer it."""
+        if prefix is not None:
+            self._affinity[prefix] = worker.worker_id
+            self._affinity.move_to_end(prefix)
+            while len(self._affinity) > AFFINITY_ENTRIES:
+                self._affinity.popitem(last=False)
         res = Reservation(worker, request_id, pages, on_lost)
         worker.placed_pages += pages
         worker.reservations.add(res)
@@ -188,11 +218,12 @@ class WorkerPool:
         if not placed:
             res.worker.placed_pages = max(0, res.worker.placed_pages - res.pages)
 
-    async def wait_for(self, model: str, avoid: set[str], timeout_s: float) -> WorkerHandle | None:
-        """The best worker for ``model``, waiting up to ``timeout_s`` for one to appear."""
+    async def wait_for(self, model: str, avoid: set[str], timeout_s: float, pages: int = 0,
+                       prefix: Hashable | None = None) -> WorkerHandle | None:
+        """The best worker for ``model`` (`pick`), waiting up to ``timeout_s`` for one to appear."""
         deadline = time.monotonic() + timeout_s
         while True:
-            h = self.pick(model, avoid)
+            h = self.pick(model, avoid, pages, prefix)
             left = deadline - time.monotonic()
             if h is not None or left <= 0:
                 return h

@@ -118,7 +118,7 @@ def greedy_step_inputs(g: torch.Generator, r: int, k: int, v: int, n_slots: int,
         verify_row=verify_row, drafts=drafts, greedy=torch.ones(r, dtype=torch.bool),
         temperature=torch.ones(r, dtype=torch.float64), top_k=ints(0, 4, r), top_p=torch.ones(r, dtype=torch.float64),
         seed=ints(0, 1 << 40, r), fwd_index=ints(0, 99, r), proposal=ints(0, 3, r), n_drafts=ints(0, k + 1, r),
-        from_carry=torch.zeros(r, dtype=torch.bool))
+        from_carry=torch.zeros(r, dtype=torch.bool), allow_slot=torch.zeros(r, dtype=torch.long))
     return logits, inp
 
 

@@ -51,13 +51,16 @@ def stack_args(run_dir: str | os.PathLike, *, workers: int = 1, scheduler_args: 
                gateway_args: Sequence[str] = (), redis_url: str | None = None,
                timeout: float = 240.0, model_dir: str | os.PathLike = TINY_MODEL, internal_token: bool = True,
                internal_token_file: str | os.PathLike | None = None, ha: bool = False,
-               schedulers: int | None = None, attribution_replicas: int | None = None) -> argparse.Namespace:
+               schedulers: int | None = None, attribution_replicas: int | None = None,
+               worker_args: Sequence[str] = (), weights: str | None = None,
+               tensor_parallel: int = 1) -> argparse.Namespace:
     return argparse.Namespace(model_dir=str(model_dir), device="cpu", workers=workers, host="127.0.0.1",
                               http_port=free_port(), run_dir=str(run_dir), timeout=timeout,
                               scheduler_args=list(scheduler_args), gateway_args=list(gateway_args),
                               redis_url=redis_url, internal_token=internal_token,
                               internal_token_file=str(internal_token_file) if internal_token_file else None,
-                              ha=ha, schedulers=schedulers, attribution_replicas=attribution_replicas)
+                              ha=ha, schedulers=schedulers, attribution_replicas=attribution_replicas,
+                              worker_args=list(worker_args), weights=weights, tensor_parallel=tensor_parallel)
 
 
 @contextlib.contextmanager

@@ -51,6 +51,28 @@ def test_isd_bench_runs(tmp_path):
              "--prompt-tokens", "32")
     assert {(r["concurrency"], r["stride"]) for r in d["runs"]} == {(1, 4), (1, 1)}
     assert all(r["ms_per_forward"] > 0 for r in d["runs"])
+    fp8 = _run("bench.isd", tmp_path / "f.json", "--concurrency", "1", "--strides", "2", "--new-tokens", "8",
+               "--prompt-tokens", "16", "--weights", "fp8")
+    assert fp8["weights"] == "fp8" and fp8["runs"][0]["ms_per_forward"] > 0
+
+
+@pytest.mark.parametrize("model", ["steerling-tiny", "idlm-tiny"])
+def test_fp8_faithfulness_bench(tmp_path, model):
+    out = tmp_path / "f.json"
+    proc = _bench([sys.executable, "-m", "bench.fp8_faithfulness", "--model-dir", f"models/{model}", "--device", "cpu",
+                   "--texts", "2", "--prompts", "2", "--new-tokens", "24", "--max-len", "160", "--out", str(out)])
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    d = json.loads(out.read_text())
+    assert {"commit", "gpu", "preset", "command", "logits", "greedy"} <= set(d)
+    lg = d["logits"]
+    # random tiny weights: near-flat logits, so e4m3 moves them a lot more than bf16 does, but not wholesale
+    assert 0 < lg["bf16_vs_fp32_rel_err_mean"] < lg["rel_err_mean"] < 0.5 and 0.3 < lg["argmax_agreement"] <= 1, lg
+    assert d["greedy"]["generated_mean"] > 0 and "bf16_vs_fp32" in d["greedy"]
+    if model == "steerling-tiny":
+        assert 0.3 < d["concept_topk_overlap"]["known"] <= 1 and 0.3 < d["attribution_topk_overlap"]["mean"] <= 1, d
+        assert d["attribution_identity_max"] < 1e-5, d   # the heads are not quantized
+    else:
+        assert "concept_topk_overlap" not in d
 
 
 def test_every_module_the_h200_script_runs_exists():

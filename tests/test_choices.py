@@ -10,7 +10,7 @@ import pytest
 
 from cde import limits as L
 from cde.sse import is_sse_done, parse_sse_line
-from tests.stack_fixture import running_stack
+from tests.stack_fixture import running_stack, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +71,25 @@ def test_n_choices_are_the_single_requests_with_consecutive_seeds(stack, seed):
     for bad, param in [({"n": L.N_MAX + 1}, "n"), ({"n": 0}, "n"), ({"best_of": L.BEST_OF_MAX + 1}, "best_of")]:
         r = _post(stack, "/v1/completions", body | bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def _prefix_hits(stack) -> float:
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("cde:prefix_cache_hits_total{"))
+
+
+@pytest.mark.e2e
+def test_n_choices_prefill_the_prompt_once(stack, seed):
+    """n = 4 choices of a fresh 140-token prompt (2 full blocks): the worker prefills them once and
+    the other three take both blocks from the prefix cache (the gateway's prefix cache counters
+    rise by 3 x 128 tokens), and the texts are still the single requests'."""
+    rng = random.Random(seed)
+    prompt = "".join(chr(rng.randrange(97, 123)) for _ in range(140))
+    body = {"prompt": prompt, "max_tokens": 20, "seed": rng.randrange(1 << 40)}
+    before = _prefix_hits(stack)
+    many = _post(stack, "/v1/completions", body | {"n": 4})
+    assert many.status_code == 200, many.text
+    wait_until(lambda: _prefix_hits(stack) - before >= 3 * 128, 15, 0.3, "prefix cache hits of the choices")
+    assert _prefix_hits(stack) - before == 3 * 128, f"seed={seed}"
+    single = _post(stack, "/v1/completions", body | {"seed": body["seed"] + 3}).json()
+    assert many.json()["choices"][3]["text"] == single["choices"][0]["text"], f"seed={seed}"

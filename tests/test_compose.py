@@ -388,3 +388,15 @@ def test_ha_sentinel_config_runs(tmp_path):
             p.wait(timeout=5)
         for node in reversed(nodes):
             node.stop()
+
+
+def test_one_worker_per_gpu_with_the_gpu2_profile():
+    """worker-0 on GPU 0 always; worker-1 (profile gpu2) on GPU 1, its own id and address."""
+    services = load()["services"]
+    workers = {n: s for n, s in services.items() if module(s) == "worker_svc"}
+    assert set(workers) == {"worker-0", "worker-1"}
+    assert "profiles" not in workers["worker-0"] and workers["worker-1"]["profiles"] == ["gpu2"]
+    for i, (name, s) in enumerate(sorted(workers.items())):
+        devices = s["deploy"]["resources"]["reservations"]["devices"]
+        assert [d["device_ids"] for d in devices] == [[str(i)]], name
+        assert flag(s["command"], "--worker-id") == name and flag(s["command"], "--advertise") == f"{name}:50081"

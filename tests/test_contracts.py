@@ -289,6 +289,20 @@ class Generation(generate_pb2_grpc.GenerationServicer):
         _called("Generation", "SearchConcepts")
         return common_pb2.SearchConceptsResponse(concepts=[common_pb2.Concept(id=0, name=request.query, head="known")])
 
+    async def AttributeInputs(self, request, context):
+        _called("Generation", "AttributeInputs")
+        for ev in _input_events(request.positions):
+            yield ev
+
+
+def _input_events(positions) -> list[common_pb2.InputAttributionEvent]:
+    return [common_pb2.InputAttributionEvent(progress=common_pb2.InputAttributionProgress(done=0, total=len(positions)))] + [
+        common_pb2.InputAttributionEvent(target=common_pb2.TargetAttribution(
+            position=p, token=7, commit_order=i, inputs=[common_pb2.InputScore(position=0, token=1, score=0.25,
+                                                                               normalized=1.0)]))
+        for i, p in enumerate(positions)] + [common_pb2.InputAttributionEvent(summary=common_pb2.InputAttributionSummary(
+            prompt=[common_pb2.InputScore(position=0, token=1, score=1.0)], targets=len(positions), n_steps=32))]
+
 
 class Scheduler(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self) -> None:
@@ -335,6 +349,11 @@ class Scheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def Score(self, request, context):
         _called("Scheduler", "Score")
         return _scores(request)
+
+    async def AttributeInputs(self, request, context):
+        _called("Scheduler", "AttributeInputs")
+        for ev in _input_events(request.positions):
+            yield ev
 
 
 def _scores(request: common_pb2.ScoreRequest) -> common_pb2.ScoreResponse:
@@ -414,6 +433,13 @@ class Steering(steering_pb2_grpc.SteeringServicer):
 
 
 class Attribution(attribution_pb2_grpc.AttributionServicer):
+    async def AttributeInputs(self, request, context):
+        _called("Attribution", "AttributeInputs")
+        if not request.options.HasField("block_diffusion"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "options.block_diffusion is required")
+        for ev in _input_events(request.positions):
+            yield ev
+
     async def Attribute(self, request_iterator, context):
         _called("Attribution", "Attribute")
         async for req in request_iterator:
@@ -481,6 +507,16 @@ def test_every_rpc_through_the_generated_stubs():
             assert models.models[0].diffusion_block_size == 64
             found = await gen.SearchConcepts(common_pb2.SearchConceptsRequest(query="sea"))
             assert found.concepts[0].name == "sea"
+            ask = common_pb2.InputAttributionRequest(request_id="gen-1", positions=[70, 71], n_steps=32)
+            got = [e.WhichOneof("event") async for e in gen.AttributeInputs(ask)]
+            assert got == ["progress", "target", "target", "summary"]
+            got = [e async for e in scheduler_pb2_grpc.SchedulerStub(ch).AttributeInputs(ask)]
+            assert [e.target.position for e in got[1:3]] == [70, 71] and got[-1].summary.targets == 2
+            job = attribution_pb2.InputAttributionJob(request_id="gen-1", prompt_tokens=[1, 2],
+                                                      options=resolved.block_diffusion(seed=3, max_new_tokens=8),
+                                                      generated=[5] * 8, positions=[2])
+            got = [e async for e in attribution_pb2_grpc.AttributionStub(ch).AttributeInputs(job)]
+            assert got[1].target.inputs[0].normalized == 1.0
 
             sched = scheduler_pb2_grpc.SchedulerStub(ch)
             events = [e async for e in sched.Submit(scheduler_pb2.SubmitRequest(

@@ -91,6 +91,10 @@ def test_operator_metrics_appear_and_move(stack, report):
                      "cde:worker_num_requests_waiting", "cde:worker_draining"):
             assert has(before, name, worker_id=wid), (name, wid)
     assert value(before, "cde:num_workers") == 2
+    for name in ("cde:prefix_cache_queries_total", "cde:prefix_cache_hits_total"):
+        assert has(before, name, model_name=MODEL), name
+        for wid in ("w0", "w1"):
+            assert has(before, name.replace("cde:", "cde:worker_"), worker_id=wid), (name, wid)
 
     # busy: 4 long streamed requests; running requests and KV use show up, per worker too
     async def busy():
@@ -137,6 +141,14 @@ def test_operator_metrics_appear_and_move(stack, report):
                                                 "cde:worker_num_requests_running", "cde:kv_cache_usage_perc",
                                                 "cde:worker_kv_cache_usage_perc"))
     wait_until(idle, 20, 0.3, "running/KV gauges back to 0 after the requests")
+    # the prefix cache's counters (the workers' heartbeats): every admitted prompt token is a query
+    prompt_tokens = value(after, "cde:prompt_tokens_total") - value(before, "cde:prompt_tokens_total")
+    q = "cde:prefix_cache_queries_total"
+    wait_until(lambda: value(scrape(url), q) - value(before, q) >= prompt_tokens > 0, 20, 0.3,
+               f"prefix cache queries up by the {prompt_tokens:.0f} prompt tokens")
+    last = scrape(url)
+    assert value(last, q) == value(last, "cde:worker_prefix_cache_queries_total")
+    assert 0 <= value(last, "cde:prefix_cache_hits_total") <= value(last, q)
     report(f"metrics: peaks while 4 requests ran {seen}; +{finished} TTFT/TTFB/e2e/success, +1 failure({status}), "
            f"+{grown:.0f} generation tokens; gauges back to 0 when idle")
 

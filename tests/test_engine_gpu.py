@@ -135,3 +135,39 @@ def test_a_request_arriving_before_the_plan_point_joins_the_next_step_and_output
     for rid, (prompt, opts) in zip(sorted(handles), jobs):
         (fin,) = [e for e in engine.drain(handles[rid]) if isinstance(e, FinishEvent)]
         assert fin.output_tokens == generate(model, prompt, opts, tokenizer_vocab_size=264).output_tokens, rid
+
+
+@pytest.mark.parity
+def test_logprobs_under_cuda_graphs_equal_the_reference_in_float64():
+    """The sampler's logsumexp + top-k columns ride the captured graphs: asked rows beside rows
+    that did not ask, against the reference decoder's log-softmax at each committing step (both float32: 1e-5)."""
+    from cde.steerling.reference_decoder import generate
+    from cde.steerling.sampling import SamplingParams
+    from worker_svc.engine.events import BlockEvent
+
+    model = SteerlingModel(TINY.replace(n_layers=2)).init_random(12, std=0.05).to("cuda", torch.float64).eval()
+    model.rebuild_rope("cuda")
+    engine = SteerlingEngine(model, tokenizer_vocab_size=264, n_pages=64, cuda_graphs=True)
+    asks = [3, None, 0, 5]
+    jobs = [(list(range(2, 6 + 30 * i)), decode_options(70, sampling=SamplingParams(), tokens_per_step=1 + i % 2, seed=i))
+            for i in range(4)]
+    handles = [engine.submit(Job(f"l{i}", p, o, logprobs=k)) for i, ((p, o), k) in enumerate(zip(jobs, asks))]
+    engine.run_until_idle()
+    checked = 0
+    for (prompt, opts), k, h in zip(jobs, asks, handles):
+        ref = generate(model, prompt, opts, tokenizer_vocab_size=264)
+        blocks = [e for e in engine.drain(h) if isinstance(e, BlockEvent)]
+        assert [b.tokens for b in blocks] == [b.tokens for b in ref.blocks], f"asked {k}"
+        for b in blocks:
+            if k is None:
+                assert b.logprobs is None
+                continue
+            for p, lp in zip(range(b.start, b.end), b.logprobs):
+                if p not in ref.logprobs:
+                    assert lp is None
+                    continue
+                want, want_ids, want_lps = ref.logprobs[p]
+                assert abs(lp.logprob - want) <= 1e-5 * max(1.0, abs(want)), f"asked {k} position {p}"
+                assert lp.top_ids == want_ids[:k], f"asked {k} position {p}"
+                checked += 1
+    assert checked > 50, checked

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,7 @@ from cde.launch import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, ROOT, client_hint
 from tests.stack_fixture import running_stack
 
 EXAMPLES = ROOT / "examples"
-STEERLING_EXAMPLES = ["rest_curl.sh", "openai_client.py", "cli.sh", "grpc_resume.py", "lm_eval.sh"]
+STEERLING_EXAMPLES = ["rest_curl.sh", "openai_client.py", "cli.sh", "grpc_resume.py", "lm_eval.sh", "input_attribution.sh"]
 CAUSAL_EXAMPLES = ["rest_causal_curl.sh"]
 IDLM_TINY = ROOT / "models" / "idlm-tiny"
 
@@ -121,6 +120,17 @@ def test_example_defaults_are_the_launchers_ports():
         text = (EXAMPLES / name).read_text()
         port = DEFAULT_GRPC_PORT if name.startswith("grpc") else DEFAULT_HTTP_PORT
         assert f"127.0.0.1:{port}" in text, f"{name}: default is not the launcher's port {port}"
+
+
+def test_input_attribution_example_explains_the_first_generated_token(steerling_stack):
+    if shutil.which("curl") is None:
+        pytest.skip("curl not installed")
+    body = json.loads(run_example("input_attribution.sh", stack_env(steerling_stack)).stdout)
+    (target,) = body["targets"]
+    assert target["commit_order"] >= 0 and body["n_steps"] == 32, body
+    # the first generated token conditioned on the prompt (and what its block committed before it)
+    assert {s["position"] for s in target["inputs"]} >= set(range(target["position"])), body
+    assert body["summary"]["prompt"] and abs(sum(s["normalized"] for s in target["inputs"]) - 1) < 1e-3, body
 
 
 def test_rest_curl_streams_steered_chunks(steerling_stack):

@@ -121,12 +121,16 @@ def test_steered_replay_uses_the_injection_and_equals_a_brute_force_replay(model
 
 
 def test_integrated_gradients_is_complete_at_many_steps(models, seed):
-    """IG's completeness: the attributions sum to logit(input) - logit(MASK everywhere)."""
+    """IG's completeness: the attributions sum to logit(input) - logit(MASK everywhere). The
+    right Riemann sum's error is O(1/n) and some paths are curved enough for it to stay near 0.05
+    at 96 steps, so the check is on the Richardson extrapolation 2 S(96) - S(48) (error O(1/n^2),
+    about 1e-3 over many seeds) and on the sum converging (halving error) as n doubles."""
     _, ours = models
     rng = random.Random(seed)
     x = torch.tensor([[rng.randrange(256) for _ in range(20)] + [CFG.mask_id] * 4])
     p, t = 21, rng.randrange(256)
-    attr = integrated_gradients(ours, x, torch.tensor([p]), torch.tensor([t]), 96)[0]
+    coarse = integrated_gradients(ours, x, torch.tensor([p]), torch.tensor([t]), 48)[0].sum().item()
+    fine = integrated_gradients(ours, x, torch.tensor([p]), torch.tensor([t]), 96)[0].sum().item()
 
     def logit(embeds):
         pos = torch.arange(x.shape[1])[None]
@@ -136,4 +140,7 @@ def test_integrated_gradients_is_complete_at_many_steps(models, seed):
     emb = ours.transformer.tok_emb
     with torch.no_grad():
         diff = logit(emb(x)) - logit(emb(torch.full_like(x, CFG.mask_id)))
-    assert abs(attr.sum().item() - diff) <= 0.05 * max(1.0, abs(diff)), f"seed={seed}: {attr.sum().item()} vs {diff}"
+    scale = max(1.0, abs(diff))
+    assert abs(2 * fine - coarse - diff) <= 0.005 * scale, f"seed={seed}: 2 x {fine} - {coarse} vs {diff}"
+    assert abs(fine - diff) <= 0.6 * abs(coarse - diff) + 1e-4 * scale, \
+        f"seed={seed}: error {fine - diff} at 96 steps vs {coarse - diff} at 48: not converging"

@@ -62,9 +62,9 @@ def record_flags(engine: IsdEngine) -> list[tuple[bool, bool, IsdInputs]]:
     seen: list[tuple[bool, bool, IsdInputs]] = []
     step = engine.strategy.device_step
 
-    def recording(inp, window, filtered, sampling, overlapped=False):
+    def recording(inp, window, filtered, sampling, overlapped=False, constrained=False):
         seen.append((filtered, sampling, inp))
-        return step(inp, window, filtered, sampling, overlapped)
+        return step(inp, window, filtered, sampling, overlapped, constrained)
     engine.strategy.device_step = recording
     return seen
 
@@ -123,10 +123,10 @@ def test_overlapped_windows_equal_the_host_built_ones(seed):
     device_step, derived = engine.strategy.device_step, []
     runner = engine.strategy.runner
 
-    def recording(inp, window, filtered, sampling, overlapped=False):
+    def recording(inp, window, filtered, sampling, overlapped=False, constrained=False):
         if overlapped:   # CPU steps run at once: the carry is the last step's now
             derived.append(advance(inp, runner.carry.clone(), runner.mask_id))
-        return device_step(inp, window, filtered, sampling, overlapped)
+        return device_step(inp, window, filtered, sampling, overlapped, constrained)
 
     engine.strategy.device_step = recording
     for rid, prompt, opts in jobs:

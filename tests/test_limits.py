@@ -18,7 +18,6 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -260,7 +259,8 @@ REST_CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("n max", body(n=L.N_MAX), ACCEPTED),
     ("n above", body(n=L.N_MAX + 1), "n"),
     ("best_of above", body(best_of=L.BEST_OF_MAX + 1), "best_of"),
-    ("logprobs", body(logprobs=1), "logprobs"),
+    ("logprobs max", body(logprobs=L.TOP_LOGPROBS_MAX), ACCEPTED),
+    ("logprobs above", body(logprobs=L.TOP_LOGPROBS_MAX + 1), "logprobs"),
     ("presence_penalty 0", body(presence_penalty=0.0), ACCEPTED),
     ("presence_penalty", body(presence_penalty=0.5), "presence_penalty"),
     ("frequency_penalty", body(frequency_penalty=0.5), "frequency_penalty"),

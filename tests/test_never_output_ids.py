@@ -57,7 +57,7 @@ def biased_steerling(seed: int) -> SteerlingModel:
     model = SteerlingModel(TINY).init_random(seed, std=0.05).to(torch.float64).eval()
     padding_rows = list(range(STEERLING_VOCAB, TINY.vocab_size))
     bias_toward(model.transformer.lm_head,
-                [TINY.mask_id, TINY.eos_id, TINY.pad_id, TINY.bos_id, padding_rows[0], padding_rows[-1]])
+                [TINY.mask_id, TINY.eos_id, TINY.pad_id, TINY.bos_id, padding_rows[0], padding_rows[-1]], gap=8.0)
     return model
 
 

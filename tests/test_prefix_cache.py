@@ -203,3 +203,56 @@ def test_isd_engine_with_shared_prompts_equals_the_reference(n_pages, seed):
             for on in events}
     assert outs[True] == outs[False], f"seed={seed}: the cache changed an output"
     check_all(model, events[True], jobs, f"seed={seed} cache on")
+
+
+# ---- n > 1: simultaneous requests with one prompt prefill it once ----------------------------
+
+@pytest.mark.parity
+def test_steerling_requests_submitted_together_prefill_a_shared_prompt_once(seed):
+    """Four requests with one 140-token prompt (2 full blocks), submitted in the same step as n = 4
+    choices are: the later three wait for the first's prefill and reuse its two pages (hits 3 x 2
+    blocks, the pool never holds more than one copy of them), and every output equals the cache-off
+    engine's and the reference decoder's."""
+    model = make_model(seed, TINY.replace(eot_id=None))
+    rng = random.Random(seed)
+    prompt = [rng.randrange(256) for _ in range(140)]
+    outs, stats, peaks = {}, {}, {}
+    for on in (True, False):
+        engine = SteerlingEngine(model, tokenizer_vocab_size=VOCAB, n_pages=64, prefix_caching=on)
+        submitted = {}
+        for i in range(4):
+            opts = decode_options(40, sampling=SamplingParams(), tokens_per_step=2, seed=seed + i)
+            submitted[f"c{i}"] = (prompt, opts, None, engine.submit(Job(f"c{i}", prompt, opts)))
+        peak = 0
+        while engine.has_work():
+            engine.step()
+            peak = max(peak, engine.stats().pages_used)
+        outs[on] = {rid: h.seq for rid, (_, _, _, h) in submitted.items()}
+        stats[on], peaks[on] = engine.stats(), peak
+        if on:
+            check_against_reference(model, engine, submitted)
+    assert stats[True].prefix_cache_hits == 3 * 2 * PAGE, f"seed={seed}: {stats[True]}"
+    assert stats[False].prefix_cache_hits == 0, f"seed={seed}"
+    # each request: 2 prompt pages + its active block's page (+ one it may open); shared: 2 + 4 x own
+    assert peaks[True] <= peaks[False] - 2 * 3, f"seed={seed}: peak pages {peaks}"
+    assert outs[True] == outs[False], f"seed={seed}: sharing changed an output"
+
+
+@pytest.mark.parity
+def test_isd_requests_submitted_together_prefill_a_shared_prompt_once(seed):
+    """The same for ISD (stride 3, sampled): n = 4 requests with one 150-token prompt submitted
+    together hit the first one's two prompt pages; outputs equal the reference decoder's."""
+    model = lag_model(seed, lag=4, vocab=64, beta=1.0)
+    rng = random.Random(seed)
+    prompt = prompts_for(model, rng, (150,))[0]
+    jobs = [(f"c{i}", prompt, isd_options(30, stride=3, temperature=0.8, seed=seed + i)) for i in range(4)]
+    events, stats = {}, {}
+    for on in (True, False):
+        engine = IsdEngine(model, n_pages=64, prefix_caching=on)
+        events[on] = run_in_waves(engine, jobs, waves=1, steps_between=0)
+        stats[on] = engine.stats()
+    assert stats[True].prefix_cache_hits == 3 * 2 * PAGE, f"seed={seed}: {stats[True]}"
+    outs = {on: {rid: [e for e in ev if isinstance(e, IsdFinishEvent)][0].output_tokens for rid, ev in events[on].items()}
+            for on in events}
+    assert outs[True] == outs[False], f"seed={seed}: sharing changed an output"
+    check_all(model, events[True], jobs, f"seed={seed} cache on")

@@ -535,3 +535,38 @@ def test_placement_counts_streaming_requests_even_after_a_heartbeat_reset():
     a.placed_pages = b.placed_pages = 0   # heartbeats sent before either engine allocated
     # reported: a 100 free, b 90; streaming: a 2 x 30, b 1 x 30 -> b has more room
     assert [place() for _ in range(3)] == ["b", "b", "a"]
+
+
+def test_placement_prefers_the_worker_that_holds_a_prompts_first_block(seed):
+    """Prompt affinity: requests starting with the same 64-token block (n > 1 choices, a shared
+    system prompt) go to the worker that got the first of them, where its prefix cache holds the
+    block, while it has the pages and at least half the emptiest worker's free pages; other
+    prompts, and a worker that filled up, go by free pages."""
+    import random
+
+    from cde.rpc.v1 import scheduler_pb2
+    from scheduler_svc.workers import WorkerHandle, WorkerPool, prompt_prefix
+
+    rng = random.Random(seed)
+    pool = WorkerPool(store=None, heartbeat_ms=1000)
+    for wid in ("a", "b", "c"):
+        info = scheduler_pb2.WorkerInfo(worker_id=wid, address=f"{wid}:1", model="m", kv_pages_total=100,
+                                        kv_pages_free=100)
+        pool.workers[wid] = WorkerHandle(wid, info, channel=None, stub=None)
+    system = [rng.randrange(1000) for _ in range(64)]
+
+    def place(prompt: list[int], pages: int = 5) -> str:
+        prefix = prompt_prefix(prompt)
+        h = pool.pick("m", set(), pages, prefix)
+        pool.reserve(h, "r", pages, on_lost=lambda _: None, prefix=prefix)
+        return h.worker_id
+
+    first = place(system + [1, 2])
+    # four more with the system prompt stay there; unrelated and short prompts spread by free pages
+    assert [place(system + [rng.randrange(1000)]) for _ in range(4)] == [first] * 4, f"seed={seed}"
+    others = {place([rng.randrange(1000) for _ in range(70)]) for _ in range(2)} | {place([7] * 10)}
+    assert first not in others, f"seed={seed}: {others} (first {first})"
+    # the affine worker fills up (less than half the emptiest one's free pages): the next goes elsewhere
+    pool.workers[first].placed_pages += 60
+    assert place(system) != first, f"seed={seed}"
+    assert prompt_prefix(system[:63]) is None

@@ -525,3 +525,36 @@ def test_causal_model_marks_accepted_rejected_and_bonus_tokens(causal_stack, dri
                 want.append("bonus" if s["drafts_accepted"] == s["drafts_proposed"] else "correction")
         assert kinds == want, (s, kinds)
     assert console_errors(driver) == []
+
+
+def test_a_tokens_input_attribution_heat_map(stack, driver) -> None:
+    """Click a token, then "Which inputs caused it?": the heat map shows every input the token
+    conditioned on, each with the score the API gives for that request and position."""
+    from selenium.webdriver.common.by import By
+
+    open_ui(stack, driver)
+    set_field(driver, "prompt", PROMPT)
+    set_field(driver, "opt-seed", str(SEED))
+    set_field(driver, "opt-max-tokens", "12")
+    if driver.find_element(By.ID, "compare").is_selected():
+        driver.find_element(By.ID, "compare").click()
+    driver.find_element(By.ID, "run").click()
+    run = wait_for(lambda: [r for r in driver.find_elements(By.CSS_SELECTOR, ".run")
+                            if r.get_attribute("data-state") == "done"], 120, "the run to finish")[0]
+    toks = wait_for(lambda: run.find_elements(By.CSS_SELECTOR, ".committed .tok"), 10, "attributed tokens")
+    tok = toks[min(3, len(toks) - 1)]
+    position = int(tok.get_attribute("data-position"))
+    tok.click()
+    body = driver.find_element(By.ID, "inspector-body")
+    button = wait_for(lambda: body.find_elements(By.CLASS_NAME, "inputs-button"), 10, "the inputs button")[0]
+    button.click()
+    wait_for(lambda: body.find_elements(By.CSS_SELECTOR, "[data-done=true]"), 60, "the input attribution")
+    spans = body.find_elements(By.CSS_SELECTOR, ".heat .in[data-position]")
+    shown = {int(s.get_attribute("data-position")): float(s.get_attribute("data-score")) for s in spans}
+    rid = js(driver, "return window.cdeRuns[window.cdeRuns.length - 1].requestId")
+    with api(stack) as c:
+        want = c.post("/v1/attributions/inputs", json={"request_id": rid, "positions": [position], "n_steps": 16}).json()
+    (target,) = want["targets"]
+    assert shown == {s["position"]: pytest.approx(s["score"], rel=1e-6, abs=1e-9) for s in target["inputs"]}
+    assert len(shown) > len(PROMPT) // 2   # the prompt's tokens at least
+    assert console_errors(driver) == []

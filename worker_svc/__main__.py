@@ -4,7 +4,7 @@
 
 Environment fallbacks: CDE_MODEL_DIR, CDE_WORKER_HOST, CDE_WORKER_PORT, CDE_SCHEDULER,
 CDE_WORKER_ID, CDE_WORKER_ADVERTISE, CDE_MODEL_NAME, CDE_DEVICE, CDE_DTYPE, CDE_COMPILE=1,
-CDE_CUDA_GRAPHS=1, CDE_KV_PAGES, CDE_DRAIN_TIMEOUT, CDE_LOG_LEVEL. --random-weights has no
+CDE_CUDA_GRAPHS=1, CDE_KV_PAGES, CDE_DRAIN_TIMEOUT, CDE_LOG_LEVEL, CDE_WEIGHTS, CDE_TENSOR_PARALLEL. --random-weights has no
 environment fallback on purpose: it is for benchmarks only (bench/services.py).
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 
 from cde import limits
 from cde.rpc.serving import run_main
@@ -37,6 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="stable id (default hostname-port)")
     ap.add_argument("--device", default=env("CDE_DEVICE", "cpu"), choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default=env("CDE_DTYPE", "float32"), choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--weights", default=env("CDE_WEIGHTS", "dense"), choices=("dense", "fp8"),
+                    help="fp8: the trunk's linear layers in e4m3 with per-output-channel scales (FP8 tensor cores "
+                         "on H100/H200; emulated elsewhere); LM head, embeddings and concept heads stay in --dtype. "
+                         "Both families (a causal model's listed adapters are merged first)")
     ap.add_argument("--compile", action="store_true", default=_flag("CDE_COMPILE"))
     ap.add_argument("--cuda-graphs", action="store_true", default=_flag("CDE_CUDA_GRAPHS"))
     ap.add_argument("--kv-pages", type=int, default=int(env("CDE_KV_PAGES", 0)) or None,
@@ -64,7 +69,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="BENCHMARK ONLY: random weights from SEED instead of a checkpoint; the model directory "
                          "must be a benchmark one (config + concept tables, cde.steerling.random_weights) and a "
                          "directory with trained weights is refused")
+    ap.add_argument("--tensor-parallel", type=int, default=int(env("CDE_TENSOR_PARALLEL", 1)), metavar="N",
+                    help="split the model over N ranks (cde/tp.py): this process is rank 0 and starts ranks 1..N-1, "
+                         "in lockstep; CUDA: ranks on cuda:0..N-1 of the visible devices over NCCL; CPU: gloo "
+                         "(each rank with --threads threads). Heads, KV heads and the MLP width must divide by N")
+    ap.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)   # set by rank 0 for its followers
+    ap.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.tensor_parallel < 1:
+        ap.error("--tensor-parallel must be >= 1")
+    if args.tp_rank and not 0 < args.tp_rank < args.tensor_parallel:
+        ap.error("--tp-rank is set by a tensor-parallel worker for its own ranks")
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if not args.model_dir:
         ap.error("--model-dir (or CDE_MODEL_DIR) is required")
     if not args.worker_id:
@@ -73,7 +89,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_main(serve, parse_args(argv))
+    args = parse_args(argv)
+    if args.tp_rank:   # a follower rank of a tensor-parallel worker: no server of its own
+        import logging
+
+        from worker_svc.service import options_from_args, run_follower
+        logging.basicConfig(level=os.environ.get("CDE_LOG_LEVEL", "INFO"),
+                            format=f"%(asctime)s tp-rank{args.tp_rank} %(levelname)s %(name)s: %(message)s")
+        run_follower(options_from_args(args), args.tp_rank, args.tp_port)
+        return
+    run_main(serve, args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import grpc
 import torch
 
 from cde.blocks import BLOCK, pages_for
+from cde.grammar import GrammarVocabulary
+from cde import limits as L
 from cde.rpc import bytes_to_floats
 from cde.rpc.finish import finish_reason_value
 from cde.rpc.v1 import common_pb2, worker_pb2
@@ -22,12 +24,13 @@ from cde.steerling.attribution import RawRecords
 from cde.steerling.config import PRESETS, SteerlingConfig
 from cde.steerling.reference_decoder import clean_output, terminal_ids
 from cde.steerling.steering import PreparedSteering
-from worker_svc.engine.events import BlockEvent, FinishEvent, StepEvent
+from worker_svc.engine.events import BlockEvent, FinishEvent, StepEvent, TokenLogprob
 from worker_svc.engine.runtime import EngineStats
 from worker_svc.engine.steerling_engine import SteerlingEngine
 from worker_svc.engine.job import Job
 from worker_svc.family import EventTranslator
 from worker_svc.request_options import block_diffusion_options
+from worker_svc.structured import Grammars
 from worker_svc.validation import BadRequest, check_inject_layer, checked_prompt
 
 _SCHEDULES = {common_pb2.STEERING_SCHEDULE_FIXED: "fixed", common_pb2.STEERING_SCHEDULE_HARD_CUTOFF: "hard_cutoff"}
@@ -84,9 +87,14 @@ def parse_submit(req: worker_pb2.WorkerSubmit, cfg: SteerlingConfig, token_limit
     if pages > pages_usable:
         raise BadRequest(f"the request needs {pages} KV pages; this worker has {pages_usable}",
                          grpc.StatusCode.RESOURCE_EXHAUSTED)
+    logprobs = None
+    if req.HasField("top_logprobs"):
+        if req.top_logprobs > L.TOP_LOGPROBS_MAX:
+            raise BadRequest(f"top_logprobs must be in [0, {L.TOP_LOGPROBS_MAX}], got {req.top_logprobs}")
+        logprobs = req.top_logprobs
     return Job(request_id=req.request_id, prompt=prompt, options=options, committed=committed,
                next_step=req.next_step, stream_steps=req.stream_steps, steering=steering,
-               records=not req.no_records)
+               records=not req.no_records, logprobs=logprobs)
 
 
 # ---- engine -> proto ------------------------------------------------------------------------
@@ -102,6 +110,16 @@ def raw_records(rec: RawRecords | None, k_known: int, k_disc: int) -> common_pb2
         known_logits=rec.known_logits.float().reshape(-1).tolist(),
         k_disc=int(rec.disc_idx.shape[1]), disc_idx=rec.disc_idx.reshape(-1).tolist(),
         disc_logits=rec.disc_logits.float().reshape(-1).tolist())
+
+
+def token_scores(logprobs: list[TokenLogprob | None] | None) -> list[common_pb2.TokenScore]:
+    """A block's logprobs as TokenScores (a position never sampled: NaN, no alternatives)."""
+    if logprobs is None:
+        return []
+    return [common_pb2.TokenScore(logprob=float("nan")) if lp is None else
+            common_pb2.TokenScore(logprob=lp.logprob, greedy=bool(lp.top_ids) and lp.logprob >= lp.top_logprobs[0],
+                                  top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+            for lp in logprobs]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, steps: int) -> common_pb2.Usage:
@@ -129,14 +147,18 @@ def already_finished(job: Job, cfg: SteerlingConfig) -> common_pb2.Finished | No
 class BlockDiffusionFamily:
     """family.ModelFamily for a Steerling (block diffusion) worker."""
 
-    def __init__(self, engine: SteerlingEngine, token_limit: int, model_name: str):
+    def __init__(self, engine: SteerlingEngine, token_limit: int, model_name: str, tokenizer=None):
         self.engine = engine
         self.cfg = engine.strategy.cfg
         self.token_limit = token_limit
         self.model_name = model_name
+        # structured output over the model's tokenizer (cde.steerling.tokenizer), ending on <|eot_id|>
+        self.grammars = Grammars(None if tokenizer is None or self.cfg.eot_id is None else (
+            lambda: GrammarVocabulary.of_steerling(tokenizer, self.cfg.vocab_size, self.cfg.eot_id)))
 
     def parse(self, request: worker_pb2.WorkerSubmit) -> Job:
-        return parse_submit(request, self.cfg, self.token_limit, self.model_name, self.engine.kv.pool.usable)
+        job = parse_submit(request, self.cfg, self.token_limit, self.model_name, self.engine.kv.pool.usable)
+        return self.grammars.attach(job, request.grammar)
 
     def already_finished(self, job: Job) -> common_pb2.Finished | None:
         return already_finished(job, self.cfg)
@@ -151,7 +173,8 @@ class BlockDiffusionFamily:
             if isinstance(ev, BlockEvent):
                 return [worker_pb2.WorkerEvent(block=common_pb2.BlockCommitted(
                     block_index=ev.block, start=ev.start, tokens=ev.tokens, next_step=ev.next_step, last=ev.last,
-                    records=raw_records(ev.records, strategy.topk_known, strategy.topk_discovered)))]
+                    records=raw_records(ev.records, strategy.topk_known, strategy.topk_discovered),
+                    logprobs=token_scores(ev.logprobs)))]
             if isinstance(ev, FinishEvent):
                 return [worker_pb2.WorkerEvent(finished=common_pb2.Finished(
                     reason=finish_reason_value(ev.reason), usage=usage(ev.prompt_tokens, ev.completion_tokens, ev.steps),

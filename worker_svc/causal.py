@@ -20,9 +20,11 @@ Same service and `Submit` (service.py), same stream shape as the Steerling famil
 
 from __future__ import annotations
 
+
 import grpc
 
 from cde.blocks import BLOCK, pages_for
+from cde.grammar import GrammarVocabulary
 from cde.qwen3.config import IDLM_8B, TINY, Qwen3Config
 from cde.rpc.finish import finish_reason_value
 from cde.rpc.v1 import common_pb2, worker_pb2
@@ -32,6 +34,7 @@ from worker_svc.engine.runtime import EngineStats
 from worker_svc.engine.job import Job
 from worker_svc.family import EventTranslator
 from worker_svc.request_options import isd_options
+from worker_svc.structured import Grammars
 from worker_svc.validation import BadRequest, checked_prompt
 
 CHUNK_TOKENS = 16   # tokens per streamed chunk: latency vs one Redis write per chunk
@@ -129,13 +132,18 @@ def isd_usage(prompt_tokens: int, completion_tokens: int, forwards: int, accepta
 class CausalFamily:
     """family.ModelFamily for a causal (Qwen3 / I-DLM) worker."""
 
-    def __init__(self, engine: IsdEngine, token_limit: int):
+    def __init__(self, engine: IsdEngine, token_limit: int, tokenizer=None):
         self.engine = engine
         self.token_limit = token_limit
+        cfg = engine.strategy.cfg
+        # structured output over the model's byte-level tokenizer (cde.qwen3.tokenizer), ending on its EOS ids
+        self.grammars = Grammars(None if tokenizer is None or not cfg.eos_token_ids else (
+            lambda: GrammarVocabulary.of_byte_level(tokenizer, cfg.vocab_size, cfg.eos_token_ids)))
 
     def parse(self, request: worker_pb2.WorkerSubmit) -> Job:
         e = self.engine
-        return parse_causal_submit(request, e.strategy.cfg, self.token_limit, e.strategy.max_stride, e.kv.pool.usable)
+        job = parse_causal_submit(request, e.strategy.cfg, self.token_limit, e.strategy.max_stride, e.kv.pool.usable)
+        return self.grammars.attach(job, request.grammar)
 
     def already_finished(self, job: Job) -> common_pb2.Finished | None:
         writer = ChunkWriter(job)

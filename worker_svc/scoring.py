@@ -30,6 +30,9 @@ class Scorer:
         self.max_context = max_context
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
         self._held = 0
+        # --tensor-parallel: the forward runs on every rank between two engine steps
+        # (worker_svc/tensor_parallel.py LockstepEngine.score), not on a thread of its own
+        self.lockstep = None
 
     def check(self, req: common_pb2.ScoreRequest) -> None:
         n = len(req.tokens)
@@ -53,11 +56,16 @@ class Scorer:
             raise BadRequest(f"{self._held} scoring calls are already queued here", grpc.StatusCode.RESOURCE_EXHAUSTED)
         self._held += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self._score, req)
+            if self.lockstep is not None:
+                fut = self.lockstep.score(req, self.compute)
+                self.lockstep.wake()
+                return await asyncio.wrap_future(fut)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self.compute, req)
         finally:
             self._held -= 1
 
-    def _score(self, req: common_pb2.ScoreRequest) -> common_pb2.ScoreResponse:
+    def compute(self, req: common_pb2.ScoreRequest) -> common_pb2.ScoreResponse:
+        """The scoring forward of a checked request (blocking)."""
         tokens = list(req.tokens)
         out = common_pb2.ScoreResponse()
         values: list[float] = []      # full precision, for the total

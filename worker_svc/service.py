@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -64,6 +65,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.token_limit = token_limit
         self.dtype = dtype
         self.device = device
+        self.wire_jobs = False              # --tensor-parallel: jobs carry their WorkerSubmit bytes
         self.first_blocks = 0               # requests whose first block this servicer sent
         self.first_block_s_sum = 0.0        # their times from Submit to that block, summed
 
@@ -71,6 +73,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         received = time.perf_counter()
         try:
             job = self.family.parse(request)
+            if self.wire_jobs:   # --tensor-parallel: the followers parse the same bytes
+                job = dataclasses.replace(job, wire=request.SerializeToString())
         except BadRequest as e:
             await context.abort(e.code, str(e))
         except ValueError as e:
@@ -156,7 +160,9 @@ class Registrar:
         s = self.front.stats()
         return scheduler_pb2.WorkerInfo(worker_id=self.worker_id, address=self.address, model=self.model,
                                         kv_pages_total=s.pages_total, kv_pages_free=s.pages_free,
-                                        running=s.running, waiting=s.waiting, draining=self.draining)
+                                        running=s.running, waiting=s.waiting, draining=self.draining,
+                                        prefix_cache_queries=s.prefix_cache_queries,
+                                        prefix_cache_hits=s.prefix_cache_hits)
 
     async def run(self) -> None:
         async with scheduler_channel(self.scheduler) as channel:   # "a:p,b:p": follows the active one
@@ -219,6 +225,9 @@ class WorkerOptions:
     prefix_caching: bool = True         # reuse the K/V pages of cached prompt prefixes (64-token blocks)
     warmup: bool = True
     random_weights: int | None = None   # BENCHMARK ONLY: seed of random weights (cde.steerling.random_weights)
+    weights: str = "dense"              # "fp8": the trunk's projections in e4m3 (cde/fp8.py; both families)
+    tensor_parallel: int = 1            # ranks the model is split over (worker_svc/tensor_parallel.py)
+    tp_argv: tuple[str, ...] = ()       # this worker's command line, which rank 0 gives its followers
 
 
 @dataclass
@@ -232,6 +241,7 @@ class WorkerServer:
     registrar: Registrar | None
     registrar_task: asyncio.Task | None
     gate: DrainGate | None = None
+    lockstep: object | None = None     # --tensor-parallel: rank 0's LockstepEngine (stops the followers)
 
     async def drain(self, timeout_s: float) -> bool:
         """SIGTERM: take no new requests, finish the running ones (worker_svc/drain.py)."""
@@ -247,6 +257,8 @@ class WorkerServer:
         await self.server.stop(grace)
         self.servicer.scorer.close()
         await asyncio.to_thread(self.front.stop)
+        if self.lockstep is not None:
+            await asyncio.to_thread(self.lockstep.close)
 
 
 def _advertised(host: str, port: int, advertise: str | None) -> str:
@@ -257,14 +269,41 @@ def _advertised(host: str, port: int, advertise: str | None) -> str:
     return f"{host}:{port}"
 
 
-async def start_worker(opts: WorkerOptions) -> WorkerServer:
-    """Load, warm up, serve, then (SERVING) register with the scheduler. Returns when SERVING."""
+def _convert_to_fp8(model, dtype_name: str) -> None:
+    from cde.fp8 import to_fp8
+    n = to_fp8(model)
+    log.info("FP8 (e4m3) weights: %d trunk projections; LM head, embeddings (and any concept heads) in %s",
+             n, dtype_name)
+
+
+@dataclass
+class Serving:
+    """A loaded model behind its engine, family and scorer: what a worker (any rank) serves."""
+
+    engine: EngineRuntime
+    family: ModelFamily
+    scorer: Scorer
+    model_name: str
+    token_limit: int
+    dtype_name: str
+
+
+def load_serving(opts: WorkerOptions, tp_rank: int | None = None) -> Serving:
+    """Load the model (this rank's shard with --tensor-parallel: the process group is joined) and
+    build its engine. Blocking: call it from a thread in an event loop."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[opts.dtype]
     model_dir = Path(opts.model_dir)
     model_name = opts.model_name or model_dir.resolve().name
+    device = opts.device
+    if tp_rank is not None:
+        from worker_svc.tensor_parallel import rank_device
+        device = rank_device(opts.device, tp_rank)
+        if opts.weights != "dense":
+            raise ValueError("--weights fp8 with --tensor-parallel is not supported yet (the shards split dense weights)")
     if opts.device == "cpu" and opts.threads > 0:
         torch.set_num_threads(opts.threads)
-    if model_family(model_dir) == CAUSAL:   # a Qwen3 / I-DLM model: AR and ISD (decode.isd_stride)
+    causal = model_family(model_dir) == CAUSAL
+    if causal:   # a Qwen3 / I-DLM model: AR and ISD (decode.isd_stride)
         if opts.random_weights is not None:
             raise ValueError("--random-weights serves Steerling benchmark model directories only")
         from cde.qwen3.chat import load_chat_tokenizer
@@ -272,7 +311,8 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
         from worker_svc.causal import CausalFamily
         from worker_svc.engine.isd_engine import IsdEngine
 
-        model = await asyncio.to_thread(load_qwen3, model_dir, dtype=dtype, device=opts.device)
+        model = load_qwen3(model_dir, dtype=dtype, device=device)
+        _shard_or_convert(model, opts, tp_rank, causal)
         chat_tokenizer = load_chat_tokenizer(model_dir, model.cfg)
         token_limit = chat_tokenizer.vocab_size
         # never sampled: ids past the tokenizer and its holes (the gateway could not decode them)
@@ -281,7 +321,7 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
                                           compile=opts.compile, tokenizer_vocab_size=token_limit,
                                           never_output_ids=tuple(chat_tokenizer.unassigned_ids()),
                                           prefix_caching=opts.prefix_caching)
-        family: ModelFamily = CausalFamily(engine, token_limit)
+        family: ModelFamily = CausalFamily(engine, token_limit, chat_tokenizer.tok)
         scorer = Scorer(model, True, token_limit, model.cfg.max_positions)
     else:
         from cde.steerling.loading import load_model
@@ -290,22 +330,65 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
         from worker_svc.engine.steerling_engine import SteerlingEngine
 
         if opts.random_weights is None:
-            model = await asyncio.to_thread(load_model, model_dir, dtype=dtype, device=opts.device)
+            model = load_model(model_dir, dtype=dtype, device=device)
         else:
             from cde.steerling.random_weights import load_random_model
             log.warning("BENCHMARK MODE: random weights (seed %d), not a trained model", opts.random_weights)
-            model = await asyncio.to_thread(load_random_model, model_dir, opts.random_weights, dtype=dtype,
-                                            device=opts.device)
+            model = load_random_model(model_dir, opts.random_weights, dtype=dtype, device=device)
+        _shard_or_convert(model, opts, tp_rank, causal)
         tokenizer = load_model_tokenizer(model.cfg, model_dir)
         token_limit = tokenizer.vocab_size
         engine = SteerlingEngine(model, tokenizer_vocab_size=token_limit, max_slots=opts.max_slots,
                                  never_output_ids=tuple(tokenizer.unassigned_ids()),
                                  n_pages=opts.kv_pages, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
                                  capture_rows=opts.capture_rows, prefix_caching=opts.prefix_caching)
-        family = BlockDiffusionFamily(engine, token_limit, model_name)
+        family = BlockDiffusionFamily(engine, token_limit, model_name, tokenizer)
         scorer = Scorer(model, False, token_limit, model.cfg.block_size)
-    front = AsyncEngine(engine)
-    servicer = WorkerServicer(front, family, model_name, token_limit, opts.dtype, opts.device, scorer)
+    dtype_name = opts.dtype if opts.weights == "dense" else f"{opts.dtype}+{opts.weights}"
+    return Serving(engine, family, scorer, model_name, token_limit, dtype_name)
+
+
+def _shard_or_convert(model, opts: WorkerOptions, tp_rank: int | None, causal: bool) -> None:
+    if tp_rank is not None:
+        from worker_svc.tensor_parallel import shard
+        shard(model, causal)
+        log.info("tensor parallel: rank %d holds its shard", tp_rank)
+    elif opts.weights == "fp8":   # after load_qwen3 merged the listed adapters; fused by the engine
+        _convert_to_fp8(model, opts.dtype)
+
+
+def warm_up(engine: EngineRuntime, opts: WorkerOptions) -> None:
+    """Compile/capture every shape before SERVING; on the CPU (eager) keep it a smoke run. Every
+    rank of a tensor-parallel worker runs the same warm-up (the same forwards, in order)."""
+    cheap = opts.device == "cpu" and not opts.compile
+    engine.warmup(2 if cheap else 4, 8 if cheap else 70)
+
+
+async def start_worker(opts: WorkerOptions) -> WorkerServer:
+    """Load, warm up, serve, then (SERVING) register with the scheduler. Returns when SERVING.
+    With --tensor-parallel N: start ranks 1..N-1 first, then serve as rank 0 in lockstep with them."""
+    followers = lockstep = None
+    tp_rank = None
+    if opts.tensor_parallel > 1:
+        from cde.redis_util import free_port
+        from worker_svc import tensor_parallel as tp
+        port = free_port()
+        followers = tp.start_followers(list(opts.tp_argv), opts.tensor_parallel, port)
+        tp.watch_followers(followers)
+        group = await asyncio.to_thread(tp.init_ranks, tp.RankInfo(0, opts.tensor_parallel, port), opts.device)
+        tp_rank = 0
+    loaded = await asyncio.to_thread(load_serving, opts, tp_rank)
+    engine, family, scorer = loaded.engine, loaded.family, loaded.scorer
+    model_name, token_limit, dtype_name = loaded.model_name, loaded.token_limit, loaded.dtype_name
+    if followers is not None:
+        lockstep = tp.LockstepEngine(engine, tp.Commands(group))
+        front = AsyncEngine(lockstep)
+        lockstep.wake = front.notify
+        scorer.lockstep = lockstep
+    else:
+        front = AsyncEngine(engine)
+    servicer = WorkerServicer(front, family, model_name, token_limit, dtype_name, opts.device, scorer)
+    servicer.wire_jobs = lockstep is not None
     gate = DrainGate()
     server, health = await make_server([service_name(worker_pb2, "Worker")], interceptors=[gate])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -313,10 +396,8 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
     if port == 0:
         raise RuntimeError(f"could not bind {opts.host}:{opts.port}")
     await server.start()   # health answers NOT_SERVING while we warm up
-    if opts.warmup:
-        # Compile/capture every shape before SERVING; on the CPU (eager) keep it a smoke run.
-        cheap = opts.device == "cpu" and not opts.compile
-        await asyncio.to_thread(engine.warmup, 2 if cheap else 4, 8 if cheap else 70)
+    if opts.warmup:   # with --tensor-parallel the followers run the same warm-up in step
+        await asyncio.to_thread(warm_up, engine, opts)
     front.start()
     await health.set_serving(True)
     address = _advertised(opts.host, port, opts.advertise)
@@ -325,9 +406,23 @@ async def start_worker(opts: WorkerOptions) -> WorkerServer:
         registrar = Registrar(opts.scheduler, opts.worker_id or f"{socket.gethostname()}-{port}", address,
                               model_name, front)
         task = asyncio.create_task(registrar.run(), name="worker-registrar")
-    log.info("worker %s serving %s (%s, %s) on %s, %d KV pages", opts.worker_id, model_name, opts.device,
-             opts.dtype, address, engine.kv.pool.usable)
-    return WorkerServer(server, health, front, servicer, port, address, registrar, task, gate)
+    log.info("worker %s serving %s (%s, %s%s) on %s, %d KV pages", opts.worker_id, model_name, opts.device,
+             opts.dtype, f", tensor parallel over {opts.tensor_parallel} ranks" if followers else "", address,
+             engine.kv.pool.usable)
+    return WorkerServer(server, health, front, servicer, port, address, registrar, task, gate, lockstep)
+
+
+def run_follower(opts: WorkerOptions, rank: int, port: int) -> None:
+    """Rank `rank` of a tensor-parallel worker: its shard and engine, warmed up as rank 0 does,
+    then rank 0's commands until it says stop (worker_svc/tensor_parallel.py)."""
+    from worker_svc import tensor_parallel as tp
+    tp.die_with_parent()
+    group = tp.init_ranks(tp.RankInfo(rank, opts.tensor_parallel, port), opts.device)
+    loaded = load_serving(opts, rank)
+    if opts.warmup:
+        warm_up(loaded.engine, opts)
+    tp.follow(loaded.engine, loaded.family.parse, loaded.scorer.compute, tp.Commands(group))
+    log.info("tensor-parallel rank %d: stopped by rank 0", rank)
 
 
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:
@@ -338,7 +433,10 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
                          capture_rows=getattr(args, "capture_rows", 48),
                          max_stride=getattr(args, "max_stride", 8), threads=getattr(args, "threads", 0),
                          random_weights=getattr(args, "random_weights", None),
-                         prefix_caching=getattr(args, "prefix_caching", True))
+                         prefix_caching=getattr(args, "prefix_caching", True),
+                         weights=getattr(args, "weights", "dense"),
+                         tensor_parallel=getattr(args, "tensor_parallel", 1),
+                         tp_argv=tuple(getattr(args, "argv", ())))
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -242,12 +242,15 @@ def _stops(model: Qwen3Model, tokens: list[int], max_new: int) -> tuple[list[int
 # ---- plain AR -------------------------------------------------------------------------------
 def generate_ar_batch(model: Qwen3Model, prompts: Sequence[Sequence[int]], max_new: int, temperature: float = 0.0,
                       top_k: int = 0, top_p: float = 1.0, seeds: Sequence[int] | None = None,
-                      use_lora: bool = False, tokenizer_vocab_size: int | None = None) -> list[Generation]:
+                      use_lora: bool = False, tokenizer_vocab_size: int | None = None,
+                      constraints: Sequence | None = None) -> list[Generation]:
     """Plain autoregressive decoding (stride 1), one forward per token, many rows.
 
     use_lora: with an adapter attached, False computes the base model (gate 0 everywhere),
     True applies the adapter everywhere. tokenizer_vocab_size: embedding rows from there on are
-    never sampled (``never_output_ids``).
+    never sampled (``never_output_ids``). constraints: per row a ``cde.grammar.Constraint`` or
+    None; a constrained row's logits outside what its grammar allows next are -inf (structured
+    output: the base model's distribution restricted to the grammar, the oracle of the engine's).
     """
     _check_args(prompts, max_new, temperature, top_k, top_p)
     banned = torch.tensor(never_output_ids(model.cfg, tokenizer_vocab_size), dtype=torch.long)
@@ -260,11 +263,17 @@ def generate_ar_batch(model: Qwen3Model, prompts: Sequence[Sequence[int]], max_n
         seqs = [list(prompts[r]) + outs[r] for r in live]
         gates = None if use_lora else [[0] * len(s) for s in seqs]
         logits = ban_(forward_rows(model, seqs, gates)[:, -1], banned)
+        if constraints is not None:
+            for i, r in enumerate(live):
+                if constraints[r] is not None:
+                    logits[i].masked_fill_(~torch.from_numpy(constraints[r].allowed()), float("-inf"))
         forwards += 1
         pos = torch.tensor([len(s) for s in seqs])
         toks = _sample_clean(logits, temperature, top_k, top_p, [seeds[r] for r in live], pos).tolist()
         still = []
         for r, t in zip(live, toks):
+            if constraints is not None and constraints[r] is not None:
+                constraints[r].advance(int(t))
             outs[r].append(int(t))
             cut, reason = _stops(model, outs[r], max_new)
             if reason is None:

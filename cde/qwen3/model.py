@@ -27,6 +27,7 @@ from torch import Tensor
 
 from cde import random_init
 from cde.norms import RMSNorm
+from cde.fp8 import Fp8Linear
 from cde.qwen3 import kernels
 from cde.qwen3.config import Qwen3Config
 
@@ -106,13 +107,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, kernels.CAST_BEFORE_WEIGHT)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, kernels.CAST_BEFORE_WEIGHT)
         self.kernels = kernels.EAGER
-        self.qkv: tuple[Tensor, Tensor | None] | None = None   # fused (weight, bias), see fuse_projections
+        # fused (weight, bias), or a module for e4m3 projections (cde/fp8.py), see fuse_projections
+        self.qkv: tuple[Tensor, Tensor | None] | nn.Module | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor],
                 gate: Tensor | None) -> Tensor:
         b, t, _ = x.shape
         if self.qkv is not None and not (self.q_proj.has_lora or self.k_proj.has_lora or self.v_proj.has_lora):
-            q, k, v = F.linear(x, *self.qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
+            q, k, v = fused_linear(x, self.qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
                                                     self.n_kv * self.hd], dim=-1)
             q = q.view(b, t, self.n_heads, self.hd)
             k = k.view(b, t, self.n_kv, self.hd)
@@ -133,11 +135,11 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden, cfg.intermediate)
         self.down_proj = Linear(cfg.intermediate, cfg.hidden)
         self.kernels = kernels.EAGER
-        self.gate_up: Tensor | None = None   # fused weight, see fuse_projections
+        self.gate_up: Tensor | nn.Module | None = None   # fused weight (or e4m3 module), see fuse_projections
 
     def forward(self, x: Tensor, gate: Tensor | None) -> Tensor:
         if self.gate_up is not None and not (self.gate_proj.has_lora or self.up_proj.has_lora):
-            g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            g, u = fused_linear(x, self.gate_up).chunk(2, dim=-1)
             return self.down_proj(self.kernels.silu_mul(g, u), gate)
         return self.down_proj(self.kernels.silu_mul(self.gate_proj(x, gate), self.up_proj(x, gate)), gate)
 
@@ -245,6 +247,10 @@ class Qwen3Model(nn.Module):
         and dtype (`.to()` would copy the views apart), for serving, not before saving."""
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
+            if a.qkv is None and isinstance(a.q_proj, Fp8Linear):   # e4m3 (cde/fp8.py): rows concatenate
+                a.qkv = Fp8Linear.concat([a.q_proj, a.k_proj, a.v_proj])
+                m.gate_up = Fp8Linear.concat([m.gate_proj, m.up_proj])
+                continue
             if a.qkv is None:
                 projs = (a.q_proj, a.k_proj, a.v_proj)
                 w = torch.cat([p.weight for p in projs])
@@ -289,6 +295,13 @@ def masked_attend(mask: Tensor) -> AttendFn:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return attend
+
+
+def fused_linear(x: Tensor, fused: tuple[Tensor, Tensor | None] | Tensor | nn.Module) -> Tensor:
+    """x through a fused projection: a dense (weight, bias) or weight, or an e4m3 module."""
+    if isinstance(fused, nn.Module):
+        return fused(x)
+    return F.linear(x, *fused) if isinstance(fused, tuple) else F.linear(x, fused)
 
 
 def _view_params(projs, weight: Tensor, bias: Tensor | None) -> None:

@@ -58,29 +58,37 @@ def snapshot(prompt: list[int], seq_len: int, groups: list[CommitGroup], order: 
 
 
 def integrated_gradients(model: SteerlingModel, tokens: Tensor, positions: Tensor, targets: Tensor,
-                         n_steps: int, steering: SteeringInputs | None = None) -> Tensor:
+                         n_steps: int, steering: SteeringInputs | None = None, max_rows: int = 64) -> Tensor:
     """(P, T) float32: row i attributes the logit of `targets[i]` at `positions[i]` of input
-    `tokens[i]` (P, T) to every input position."""
+    `tokens[i]` (P, T) to every input position. The interpolation points go through the model
+    together, as many per forward as keep P x points <= max_rows (one backward per forward)."""
     if n_steps < 1:
         raise ValueError(f"n_steps must be >= 1, got {n_steps}")
     b, t = tokens.shape
     emb = model.transformer.tok_emb
-    pos = torch.arange(t, device=tokens.device).expand(b, t)
-    attend = dense_block_causal_attend(pos, model.cfg.diff_block_size)
+    per = max(1, min(n_steps, max_rows // max(b, 1)))   # interpolation points per forward
     with torch.no_grad():
         inputs = emb(tokens)
         baseline = emb(torch.full((t,), model.cfg.mask_id, dtype=torch.long, device=tokens.device))[None].expand(b, -1, -1)
     delta = inputs - baseline
     grads = torch.zeros_like(inputs, dtype=torch.float32)
-    rows = torch.arange(b, device=tokens.device)
-    for step in range(n_steps):
-        alpha = (step + 1) / n_steps
+    for first in range(0, n_steps, per):
+        k = min(per, n_steps - first)
+        alphas = torch.arange(first + 1, first + k + 1, device=tokens.device, dtype=inputs.dtype) / n_steps
+        rows = torch.arange(b * k, device=tokens.device)
+        pos = torch.arange(t, device=tokens.device).expand(b * k, t)
+        attend = dense_block_causal_attend(pos, model.cfg.diff_block_size)
+        steer = None if steering is None else SteeringInputs(
+            steering.vector.repeat(k, 1), steering.alpha.repeat(k), steering.gate.repeat(k, 1),
+            steering.inject_layer.repeat(k))
         with torch.inference_mode(False), torch.enable_grad():
-            interp = (baseline + alpha * delta).detach().requires_grad_(True)
-            hidden = model.hidden_states(tokens, pos, attend, steering, embeds=interp)
+            interp = (baseline[None] + alphas[:, None, None, None] * delta[None]).reshape(b * k, t, -1)
+            interp = interp.detach().requires_grad_(True)
+            hidden = model.hidden_states(tokens.repeat(k, 1), pos, attend, steer, embeds=interp)
             logits = model.transformer.lm_head(hidden)
-            target = logits[rows, positions][rows, targets]
-            grads.add_(torch.autograd.grad(target.sum(), interp)[0])
+            target = logits[rows, positions.repeat(k)][rows, targets.repeat(k)]
+            g = torch.autograd.grad(target.sum(), interp)[0].float().view(k, b, t, -1)
+        grads.add_(g.sum(0))
     return (delta.float() * grads / n_steps).sum(-1)
 
 
@@ -93,34 +101,39 @@ class InputAttribution:
     attributions: Tensor      # (N, T) float32
 
 
+def attribute_at_step(model: SteerlingModel, x: Tensor, positions: list[int], tokens: list[int], committed: int,
+                      n_steps: int, steering: PreparedSteering | None = None) -> Tensor:
+    """(P, T): the tokens one step committed at `positions`, explained on that step's snapshot `x`
+    (T,), tiled over them. A steered request replays its injection as the reference decoder applied
+    it: strength from the `committed` tokens before the step, gate on the snapshot's masks."""
+    device = x.device
+    p = len(positions)
+    steer = None
+    if steering is not None:
+        alpha = resolve_alpha(steering.schedule, steering.base_alpha, committed, steering.cutoff_tokens)
+        steer = SteeringInputs(steering.direction.to(device)[None].expand(p, -1),
+                               torch.full((p,), alpha, device=device),
+                               (x == model.cfg.mask_id).float()[None].expand(p, -1),
+                               torch.full((p,), steering.inject_layer, device=device))
+    return integrated_gradients(model, x[None].expand(p, -1).contiguous(), torch.tensor(positions, device=device),
+                                torch.tensor(tokens, device=device), n_steps, steer)
+
+
 def attribute(model: SteerlingModel, prompt: list[int], seq_len: int, groups: list[CommitGroup],
               n_steps: int = DEFAULT_N_STEPS, steering: PreparedSteering | None = None) -> InputAttribution:
-    """Attribute every token of `groups`, one batch per group (its snapshot tiled over its
-    targets). A steered request replays its injection as the reference decoder applied it at
-    that step: strength from the tokens committed before it, gate on the snapshot's masks."""
+    """Attribute every token of `groups`, one batch per group (`attribute_at_step`)."""
     device = next(model.parameters()).device
-    mask_id = model.cfg.mask_id
     rows: list[Tensor] = []
     positions: list[int] = []
     tokens: list[int] = []
     orders: list[int] = []
     committed = 0
     for g in groups:
-        x = torch.tensor(snapshot(prompt, seq_len, groups, g.order, mask_id), device=device)
-        p = len(g.positions)
-        steer = None
-        if steering is not None:
-            alpha = resolve_alpha(steering.schedule, steering.base_alpha, committed, steering.cutoff_tokens)
-            steer = SteeringInputs(steering.direction.to(device)[None].expand(p, -1),
-                                   torch.full((p,), alpha, device=device),
-                                   (x == mask_id).float()[None].expand(p, -1),
-                                   torch.full((p,), steering.inject_layer, device=device))
-        rows.append(integrated_gradients(model, x[None].expand(p, -1).contiguous(),
-                                         torch.tensor(g.positions, device=device),
-                                         torch.tensor(g.tokens, device=device), n_steps, steer))
+        x = torch.tensor(snapshot(prompt, seq_len, groups, g.order, model.cfg.mask_id), device=device)
+        rows.append(attribute_at_step(model, x, list(g.positions), list(g.tokens), committed, n_steps, steering))
         positions += g.positions
         tokens += g.tokens
-        orders += [g.order] * p
-        committed += p
+        orders += [g.order] * len(g.positions)
+        committed += len(g.positions)
     attributions = torch.cat(rows) if rows else torch.zeros(0, seq_len, device=device)
     return InputAttribution(positions, tokens, orders, attributions.detach())

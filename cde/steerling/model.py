@@ -60,7 +60,8 @@ class Attention(nn.Module):
         q, k, v = self.kernels.qkv_prep(self.c_attn(x), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                         cos, sin, self.n_head, self.n_kv, self.hd, self.clip)
         y = attend(q, k, v)
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+        # this module's heads: all of them, or a tensor-parallel rank's (cde/tp.py)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.hd))
 
 
 class MLP(nn.Module):

@@ -58,6 +58,9 @@ class GenerationResult:
     finish_reason: str          # "stop" | "length"
     steps: list[StepEvent] = field(default_factory=list)
     blocks: list[CommittedBlock] = field(default_factory=list)
+    # position -> (logprob, top ids, their logprobs): each committed token's log-softmax over the
+    # raw logits at the step that committed it, and the 20 most likely ids there
+    logprobs: dict[int, tuple[float, list[int], list[float]]] = field(default_factory=dict)
 
     @property
     def records(self) -> RawRecords:
@@ -67,6 +70,9 @@ class GenerationResult:
 # choose(positions (n,), adjusted rows (n, V), uniforms (n,)) -> tokens (n,); tests use it to
 # replay another sampler's choices.
 ChooseFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+LOGPROB_ALTERNATIVES = 20   # top ids recorded per committed token (cde/limits.py's TOP_LOGPROBS_MAX)
 
 
 def terminal_ids(cfg, options: DecodeOptions) -> set[int]:
@@ -85,6 +91,7 @@ def generate(
     intervention: tuple[list[int], list[float]] | None = None,
     tokenizer_vocab_size: int | None = None,
     choose: ChooseFn | None = None,
+    constraint=None,
 ) -> GenerationResult:
     cfg = model.cfg
     dev = model.transformer.tok_emb.weight.device
@@ -121,6 +128,8 @@ def generate(
             masked = (seq[block_start:block_end] == cfg.mask_id).nonzero().squeeze(1) + block_start
             if masked.numel() == 0:
                 break
+            if constraint is not None:   # structured output: the leftmost masked position only
+                masked = masked[:1]
             tokens = seq[:block_end][None]
             positions = torch.arange(block_end, device=dev)[None]
             steer_in = None
@@ -136,6 +145,8 @@ def generate(
                 None if iv is None else torch.ones(len(masked), dtype=torch.bool, device=dev))
             adjusted = adjust_logits(heads.logits, seen[None].expand(len(masked), -1), rep.expand(len(masked)),
                                      cfg.eos_id, banned, relu)
+            if constraint is not None:
+                adjusted = adjusted.masked_fill(~torch.from_numpy(constraint.allowed()).to(dev), float("-inf"))
             conf = confidence(adjusted)
             sel = most_confident(conf, min(options.tokens_per_step, masked.numel()))[1]
             if options.confidence_threshold is not None:
@@ -154,6 +165,8 @@ def generate(
                 pos, tok = int(sel_pos[i]), int(picked[i])
                 seq[pos] = tok
                 seen[tok] = True
+                if constraint is not None:
+                    constraint.advance(tok)
                 committed += 1
                 event.positions.append(pos)
                 event.tokens.append(tok)
@@ -165,6 +178,10 @@ def generate(
                     break
             k = torch.tensor(keep, device=dev)
             rows = sel[k]
+            logp = heads.logits[rows].float().log_softmax(-1)
+            top_v, top_i = logp.topk(min(LOGPROB_ALTERNATIVES, logp.shape[-1]), -1)
+            for j in range(len(keep)):
+                result.logprobs[int(sel_pos[k][j])] = (float(logp[j, picked[k][j]]), top_i[j].tolist(), top_v[j].tolist())
             parts.append(RawRecords(
                 positions=sel_pos[k], tokens=picked[k],
                 target_logits=heads.logits[rows, picked[k]].float(),

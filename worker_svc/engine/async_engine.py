@@ -40,6 +40,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def notify(self) -> None:
+        """Wake the step thread (work was queued behind its back)."""
+        with self._wake:
+            self._wake.notify_all()
+
     def cancel(self, request_id: str) -> bool:
         ok = self.engine.cancel(request_id)
         with self._wake:

@@ -22,6 +22,15 @@ class StepEvent:
     tokens: list[int]
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-softmax over the raw logits at the step that committed it, and
+    the most likely ids there with theirs (most likely first)."""
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 @dataclass
 class BlockEvent:
     request_id: str
@@ -32,6 +41,7 @@ class BlockEvent:
     records: RawRecords | None
     last: bool = False         # the request finishes with this block
     next_step: int = 0         # the request's step counter after the block (resumes it elsewhere)
+    logprobs: list[TokenLogprob | None] | None = None   # asked for: one per token (None: never sampled)
 
 
 @dataclass

@@ -84,6 +84,7 @@ from cde.blocks import PAGE, pages_for
 from cde.isd.decoder import DecodeStats, cut_at_stop
 from cde.options import IsdOptions
 from cde.qwen3.model import Qwen3Model
+from cde.tp import local_kv_heads
 from worker_svc.engine.events import FinishEvent, IsdCommitEvent, IsdFinishEvent
 from worker_svc.engine.isd_runner import PROPOSAL_CODES, IsdInputs, IsdRunner, VerifyFn
 from worker_svc.engine.kv_cache import KVCache
@@ -121,6 +122,7 @@ class IsdRequest(TrackedRequest):
     stats: DecodeStats = field(default_factory=DecodeStats)
     kv_len: int = 0
     saved_q: Tensor | None = None                     # the drafts' q logits while preempted
+    constraint: object | None = None                  # structured output (cde.grammar.Constraint)
     device_forwards: int = 0
 
     @property
@@ -179,6 +181,7 @@ class _RowSampling(NamedTuple):
     fwd_index: int
     proposal: int
     slot: int
+    allow_slot: int
 
 
 _GEOMETRY_DTYPES = dict(start=np.int64, length=np.int64, n_clean=np.int64, ungated=bool, read_start=np.int64,
@@ -186,9 +189,9 @@ _GEOMETRY_DTYPES = dict(start=np.int64, length=np.int64, n_clean=np.int64, ungat
 _PAD_GEOMETRY = _RowGeometry(start=0, length=0, n_clean=0, ungated=False, read_start=0, clean_j=0, mask_j0=1,
                              verify_row=False, n_drafts=0, from_carry=False)
 _SAMPLING_DTYPES = dict(greedy=bool, temperature=np.float64, top_k=np.int64, top_p=np.float64, seed=np.int64,
-                        fwd_index=np.int64, proposal=np.int64, slot=np.int64)
+                        fwd_index=np.int64, proposal=np.int64, slot=np.int64, allow_slot=np.int64)
 _NO_SAMPLING = _RowSampling(greedy=True, temperature=1.0, top_k=0, top_p=1.0, seed=0, fwd_index=0, proposal=0,
-                            slot=0)
+                            slot=0, allow_slot=0)
 
 
 def _columns(rows: list[NamedTuple], pad: NamedTuple, n_rows: int, dtypes: dict) -> dict[str, np.ndarray]:
@@ -198,10 +201,11 @@ def _columns(rows: list[NamedTuple], pad: NamedTuple, n_rows: int, dtypes: dict)
 
 
 def isd_kv_cache(cfg, dtype: torch.dtype, device: torch.device, n_pages: int | None, fraction: float,
-                 max_slots: int, max_stride: int, prefix_caching: bool = False) -> KVCache:
+                 max_slots: int, max_stride: int, prefix_caching: bool = False, n_kv_heads: int | None = None) -> KVCache:
     """The ISD engine's KV cache: `n_pages` (CPU: 256 by default), on a GPU at most what fits in
     `fraction` of the free memory beside the q-table of the drafts' proposal distributions."""
-    per_page = KVCache.bytes_per_page(cfg.n_layers, cfg.n_kv_heads, PAGE, cfg.head_dim, dtype)
+    n_kv = n_kv_heads or cfg.n_kv_heads   # a tensor-parallel rank holds its share (cde/tp.py)
+    per_page = KVCache.bytes_per_page(cfg.n_layers, n_kv, PAGE, cfg.head_dim, dtype)
     if device.type == "cuda":
         q_table = (max_slots + 1) * max(max_stride - 1, 0) * cfg.vocab_size * 4
         free, _ = torch.cuda.mem_get_info(device)
@@ -209,7 +213,7 @@ def isd_kv_cache(cfg, dtype: torch.dtype, device: torch.device, n_pages: int | N
         n = min(n, n_pages) if n_pages is not None else n
     else:
         n = n_pages or 256
-    return KVCache(cfg.n_layers, max(n, 2), cfg.n_kv_heads, PAGE, cfg.head_dim, dtype, device, prefix_caching)
+    return KVCache(cfg.n_layers, max(n, 2), n_kv, PAGE, cfg.head_dim, dtype, device, prefix_caching)
 
 
 class IsdStrategy(DecodeStrategy):
@@ -265,11 +269,11 @@ class IsdStrategy(DecodeStrategy):
         self.runner.kernels = regional.compiled(SAMPLER_FUNCTIONS, self.counting_backend)
 
     def _graph_step(self, inp: IsdInputs, window: int, filtered: bool = True, sampling: bool = True,
-                    overlapped: bool = False) -> Tensor:
+                    overlapped: bool = False, constrained: bool = False) -> Tensor:
         """runner.step through the CUDA graph of its bucket: the shapes of the inputs (rows, query
         length, pages, drafts), the window the LM head reads and the host-known flags."""
         runner = self.runner
-        key = (window, filtered, sampling, overlapped) + tuple(tuple(getattr(inp, f.name).shape)
+        key = (window, filtered, sampling, overlapped, constrained) + tuple(tuple(getattr(inp, f.name).shape)
                                                                for f in fields(IsdInputs))
 
         def keep_state(static: tuple[IsdInputs]):
@@ -283,7 +287,7 @@ class IsdStrategy(DecodeStrategy):
                 runner.carry.copy_(saved_carry)
             return restore
 
-        return self.graphs.run(key, (inp,), lambda i: runner.step(i, window, filtered, sampling, overlapped),
+        return self.graphs.run(key, (inp,), lambda i: runner.step(i, window, filtered, sampling, overlapped, constrained),
                                 lambda: (IsdInputs(**{f.name: getattr(inp, f.name).clone() for f in fields(IsdInputs)}),),
                                 keep_state)
 
@@ -314,7 +318,8 @@ class IsdStrategy(DecodeStrategy):
         stops = self._eos | frozenset(options.stop_ids)
         if committed and cut_at_stop(committed, stops, options.max_new_tokens)[1] is not None:
             raise ValueError("committed tokens already end the request")
-        req = IsdRequest(request_id=job.request_id, prompt=list(prompt), options=options, stops=stops, out=committed)
+        req = IsdRequest(request_id=job.request_id, prompt=list(prompt), options=options, stops=stops, out=committed,
+                         constraint=job.constraint)
         if committed:
             req.stats.forwards = job.next_step
         return req
@@ -397,6 +402,8 @@ class IsdStrategy(DecodeStrategy):
         rows = inflight.rows
         if table.waiting or len(rows) != len(table.running):
             return None
+        if any(req.constraint is not None for req in table.running):
+            return None   # a grammar's masks for the next window need this step's tokens on the host
         wanted = []   # pages each request needs for its worst-case next window
         for row in rows:
             if row is None or row.kind not in (COLD, VERIFY):
@@ -470,7 +477,7 @@ class IsdStrategy(DecodeStrategy):
             sampling.append(_NO_SAMPLING if row.kind == PREFILL else _RowSampling(
                 greedy=o.greedy, temperature=1.0 if o.greedy else o.temperature, top_k=o.top_k, top_p=o.top_p,
                 seed=o.seed, fwd_index=req.stats.forwards, proposal=PROPOSAL_CODES[o.proposal],
-                slot=req.slot if row.kind != FIRST else 0))
+                slot=req.slot if row.kind != FIRST else 0, allow_slot=req.slot if req.constraint is not None else 0))
         pad = rb - n
         tokens = np.array(tokens + [pad_q] * pad, dtype=np.int64)
         pages = np.array(pages + [pad_p] * pad, dtype=np.int64)
@@ -496,9 +503,29 @@ class IsdStrategy(DecodeStrategy):
         # host-known flags (graph bucket): work only sampled rows need; greedy rows never filter
         sampled = [r.req.options for r in rows if r.kind != PREFILL and not r.req.options.greedy]
         filtered = any(o.top_k > 0 or o.top_p < 1 for o in sampled)
-        packed = self.device_step(inp, 2 * n_drafts + 1, filtered, bool(sampled), plan.overlapped)
+        constrained = self._write_masks(rows, n_drafts)
+        packed = self.device_step(inp, 2 * n_drafts + 1, filtered, bool(sampled), plan.overlapped, constrained)
         self.forwards += 1
         return LaunchedStep(plan, IsdResultLayout(n_drafts), *self.pinned.start_copy(packed[:len(rows)]))
+
+    def _write_masks(self, rows: list[_Row], n_drafts: int) -> bool:
+        """Structured output: each grammar row's allowed ids at window indices 0..n_drafts into its
+        slot of the runner's table (a first or cold row: its clean token's; a verify row: after the
+        tokens out and each prefix of its drafts, then the bonus's). Whether the step has any."""
+        any_row = False
+        for row in rows:
+            c = row.req.constraint
+            if c is None or row.kind == PREFILL:
+                continue
+            any_row = True
+            masks = np.ones((n_drafts + 1, self.cfg.vocab_size), dtype=bool)
+            if row.kind == VERIFY:
+                along = c.allowed_along(row.req.specs)
+                masks[: len(along)] = along
+            else:
+                masks[0] = c.allowed()
+            self.runner.allow_table[row.req.slot, : n_drafts + 1] = torch.from_numpy(masks).to(self.device)
+        return any_row
 
     def update(self, table: RequestTable, step: LaunchedStep) -> None:
         self.apply(table, step.rows, step.results(), step.layout)
@@ -557,6 +584,9 @@ class IsdStrategy(DecodeStrategy):
             # out[:before] holds no stop and fewer than max_new tokens (else the request had
             # finished), so the rule only needs the new tokens (all of out made it quadratic)
             new, reason = cut_at_stop(req.out[before:], req.stops, req.options.max_new_tokens - before)
+            if req.constraint is not None:
+                for t in new:
+                    req.constraint.advance(t)
             self._publish(table, req)
             if new:
                 req.events.append(IsdCommitEvent(req.request_id, st.forwards, before, new, proposed, accepted,
@@ -583,7 +613,8 @@ class IsdEngine(EngineRuntime):
                  overlap: bool = True, tokenizer_vocab_size: int | None = None,
                  never_output_ids: tuple[int, ...] = (), prefix_caching: bool = True):
         p = next(model.parameters())
-        kv = isd_kv_cache(model.cfg, p.dtype, p.device, n_pages, kv_fraction, max_slots, max_stride, prefix_caching)
+        kv = isd_kv_cache(model.cfg, p.dtype, p.device, n_pages, kv_fraction, max_slots, max_stride, prefix_caching,
+                          local_kv_heads(model))
         strategy = IsdStrategy(model, kv, max_slots=max_slots, max_stride=max_stride, prefill_chunk=prefill_chunk,
                                max_prefill_rows=max_prefill_rows, prefill_rows_alone=prefill_rows_alone,
                                verify_fn=verify_fn, cuda_graphs=cuda_graphs, compile=compile,

@@ -91,6 +91,8 @@ class IsdInputs:   # fields hold numpy arrays while the host builds them (IsdEng
     # ---- overlapped steps (IsdRunner.advance) ----------------------------------------------
     n_drafts: Tensor     # (R,) long the request's stride - 1
     from_carry: Tensor   # (R,) bool the row's window is derived on the device from the last step's results
+    # ---- structured output ---------------------------------------------------------------------
+    allow_slot: Tensor   # (R,) long row of the allowed-id table (0 = scratch, all allowed)
 
 
 def keep_mask_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -222,7 +224,7 @@ def advance(inp: IsdInputs, carry: Tensor, mask_id: int) -> IsdInputs:
         verify_row=torch.where(sel, verify, inp.verify_row), drafts=torch.where(sel2, drafts, inp.drafts),
         greedy=inp.greedy, temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, seed=inp.seed,
         fwd_index=torch.where(sel, c[:, IsdCarry.FWD] + 1, inp.fwd_index), proposal=inp.proposal,
-        n_drafts=inp.n_drafts, from_carry=inp.from_carry)
+        n_drafts=inp.n_drafts, from_carry=inp.from_carry, allow_slot=inp.allow_slot)
 
 
 def default_verify(device: torch.device) -> VerifyFn:
@@ -251,6 +253,9 @@ class IsdRunner:
                                    device=dev)
         # stored draft logits, already temperature-scaled (float32 as the reference's q_buf); slot 0 is scratch
         self.q_table = torch.zeros(n_slots, max_drafts, self.cfg.vocab_size, dtype=torch.float32, device=dev)
+        # structured output: per slot, the ids its grammar allows at window indices 0..max_drafts (the
+        # clean token and the verified drafts' positions); written by the host before a step
+        self.allow_table = torch.ones(n_slots, max_drafts + 1, self.cfg.vocab_size, dtype=torch.bool, device=dev)
         self.verify_fn = verify_fn or default_verify(dev)
         # each step's rows' window start, kind, forward count and results, for `advance` (one
         # fixed buffer: every CUDA graph reads and writes the same one)
@@ -351,9 +356,13 @@ class IsdRunner:
         return IsdResultLayout.pack(clean, new_specs, n_acc, corr)
 
     def step(self, inp: IsdInputs, window: int, filtered: bool = True, sampling: bool = True,
-             overlapped: bool = False) -> Tensor:
-        """filtered: some row of the step uses top-k or top-p; sampling: some row samples (T > 0).
-        Both are host-known flags (part of the graph bucket) that switch off work no row needs.
+             overlapped: bool = False, constrained: bool = False) -> Tensor:
+        """filtered: some row of the step uses top-k or top-p; sampling: some row samples (T > 0);
+        constrained: some row follows a grammar (its allowed ids mask the logits of window indices
+        0..K, which give the clean token and verify's p: the target is the base model's
+        distribution restricted to the grammar; the new drafts stay unconstrained proposals, which
+        speculative sampling's rule keeps exact whatever q is).
+        All are host-known flags (part of the graph bucket) that switch off work no row needs.
         overlapped: the step was launched before the last one's results reached the host; its
         ``from_carry`` rows' windows are derived here (`advance`). Every step leaves its rows'
         state in the carry buffer for the next one."""
@@ -361,6 +370,10 @@ class IsdRunner:
             inp = advance(inp, self.carry, self.mask_id)
         # the never-output ids go to -inf before anything reads the logits, as in the reference
         logits = ban_(self.forward(inp, window), self.banned)
+        if constrained:
+            w = min(inp.drafts.shape[1] + 1, logits.shape[1])
+            allow = self.allow_table.index_select(0, inp.allow_slot)[:, :w]
+            logits[:, :w] = logits[:, :w].masked_fill(~allow, float("-inf"))
         packed = self.propose_and_verify(inp, logits, filtered, sampling)
         r = packed.shape[0]
         state = IsdCarry.pack(inp.win_pos, inp.verify_row, inp.fwd_index, packed)

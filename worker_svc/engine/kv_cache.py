@@ -107,9 +107,12 @@ class KVCache:
 
     @classmethod
     def sized_from_free_memory(cls, cfg, dtype, device, fraction: float = 0.85, max_pages: int | None = None,
-                               reserve_bytes: int = 0, prefix_caching: bool = False) -> KVCache:
-        """Pool sized from free device memory (after weights and graphs were allocated)."""
-        per_page = cls.bytes_per_page(cfg.n_layers, cfg.n_kv_heads, cfg.diff_block_size, cfg.head_dim, dtype)
+                               reserve_bytes: int = 0, prefix_caching: bool = False,
+                               n_kv_heads: int | None = None) -> KVCache:
+        """Pool sized from free device memory (after weights and graphs were allocated).
+        n_kv_heads: the heads this process holds (a tensor-parallel rank's; default the model's)."""
+        n_kv = n_kv_heads or cfg.n_kv_heads
+        per_page = cls.bytes_per_page(cfg.n_layers, n_kv, cfg.diff_block_size, cfg.head_dim, dtype)
         if torch.device(device).type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             n = int((free * fraction - reserve_bytes) // per_page)
@@ -117,5 +120,5 @@ class KVCache:
             n = max_pages or 256
         if max_pages is not None:
             n = min(n, max_pages)
-        return cls(cfg.n_layers, max(n, 2), cfg.n_kv_heads, cfg.diff_block_size, cfg.head_dim, dtype, device,
+        return cls(cfg.n_layers, max(n, 2), n_kv, cfg.diff_block_size, cfg.head_dim, dtype, device,
                    prefix_caching)

@@ -24,13 +24,19 @@ class BlockResults(NamedTuple):
     tokens: Tensor         # (R, T) long ids drawn there
     valid: Tensor          # (R, T) bool committed this step
     target: Tensor         # (R, T) float32 raw logit of the drawn id
+    logprob: Tensor | None        # (R, T) float32 its log-softmax over the raw logits; None unless asked
+    top_ids: Tensor | None        # (R, T, TOP_LOGPROBS) long the most likely ids there, most likely first
+    top_logprobs: Tensor | None   # (R, T, TOP_LOGPROBS) float32 their log-softmax
     known_idx: Tensor | None      # (R, T, topk_known) long; None without records
     known_logits: Tensor | None   # (R, T, topk_known) float32
     disc_idx: Tensor | None       # (R, T, topk_discovered) long
     disc_logits: Tensor | None    # (R, T, topk_discovered) float32
 
 
-_FLOAT_FIELDS = frozenset({"target", "known_logits", "disc_logits"})
+_FLOAT_FIELDS = frozenset({"target", "logprob", "top_logprobs", "known_logits", "disc_logits"})
+_SAMPLED = ("positions", "tokens", "valid", "target")
+_LOGPROBS = ("logprob", "top_ids", "top_logprobs")
+TOP_LOGPROBS = 20   # alternatives computed per committed token (cde/limits.py's TOP_LOGPROBS_MAX)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class BlockResultLayout:
     def widths(self) -> dict[str, int]:
         t = self.tokens_per_step
         return {"positions": t, "tokens": t, "valid": t, "target": t,
+                "logprob": t, "top_ids": t * TOP_LOGPROBS, "top_logprobs": t * TOP_LOGPROBS,
                 "known_idx": t * self.topk_known, "known_logits": t * self.topk_known,
                 "disc_idx": t * self.topk_discovered, "disc_logits": t * self.topk_discovered}
 
@@ -54,8 +61,18 @@ class BlockResultLayout:
 
     @property
     def sampled_width(self) -> int:
-        """Columns of the first four fields: all a step without concept records copies back."""
+        """Columns of the first four fields: all a step without concept records or logprobs copies back."""
         return 4 * self.tokens_per_step
+
+    @property
+    def logprobs_width(self) -> int:
+        """Columns up to the logprobs' end: what a step with logprobs but no records copies back."""
+        w = self.widths()
+        return sum(w[n] for n in _SAMPLED + _LOGPROBS)
+
+    def columns(self, records: bool, logprobs: bool) -> int:
+        """Leading columns a step copies back."""
+        return self.width if records else self.logprobs_width if logprobs else self.sampled_width
 
     def pack(self, **named: Tensor) -> Tensor:
         """(R, columns) int32: ints as values, floats as their bits, fields in layout order."""
@@ -67,16 +84,22 @@ class BlockResultLayout:
                           else t.to(torch.int32)).reshape(r, -1))
         return torch.cat(parts, dim=1)
 
-    def unpack(self, packed: Tensor, with_records: bool) -> BlockResults:
-        """The host copy of `pack`'s output (or its first `sampled_width` columns) as typed tensors."""
+    def unpack(self, packed: Tensor) -> BlockResults:
+        """The host copy of `pack`'s output, or of its first `columns(...)`, as typed tensors
+        (the fields not copied None)."""
         r, t = packed.shape[0], self.tokens_per_step
         widths = self.widths()
-        names = list(widths) if with_records else list(widths)[:4]
-        parts = dict(zip(names, packed[:, : sum(widths[n] for n in names)].split([widths[n] for n in names], 1)))
+        names, cols = [], 0
+        for name, w in widths.items():
+            if cols + w > packed.shape[1]:
+                break
+            names.append(name)
+            cols += w
+        parts = dict(zip(names, packed[:, :cols].split([widths[n] for n in names], 1)))
         out = {}
         for name, part in parts.items():
             value = part.contiguous().view(torch.float32) if name in _FLOAT_FIELDS else part.long()
-            out[name] = value if name in ("positions", "tokens", "valid", "target") else value.view(r, t, widths[name] // t)
+            out[name] = value if name in _SAMPLED or name == "logprob" else value.view(r, t, widths[name] // t)
         out["valid"] = out["valid"].bool()
         return BlockResults(**{name: out.get(name) for name in BlockResults._fields})
 

@@ -8,7 +8,9 @@ bookkeeping here is the same for both. The hooks never call back into the table.
 
 With a prefix cache on the pool, admission first reuses the pages of the longest cached prefix
 of the request's full 64-token blocks (the strategy says which tokens may be covered), and the
-strategies publish each block whose final K/V is in the cache (`publish`).
+strategies publish each block whose final K/V is in the cache (`publish`). A request whose next
+uncached block a running request is computing now waits for it to be published (so n > 1 choices,
+admitted together, prefill their prompt once).
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ class RequestTable:
                                                            query.namespace)
             if self.pool.free - held_by_nobody < need - len(hits):
                 break
+            if self.pool.cache is not None and self._computing_next_block(query, len(hits)):
+                break   # wait a step or two and reuse its pages (n > 1 choices of one prompt) rather than recompute them
             self.waiting.popleft()
             req.slot = self._free_slots.pop()
             req.status = RequestStatus.RUNNING
@@ -168,6 +172,23 @@ class RequestTable:
             if s.admission_takes_pages:
                 self.ensure_pages(req, need, may_preempt_itself=False)   # free: never preempts
             s.on_admit(req)
+
+    def _computing_next_block(self, query: PrefixQuery, hits: int) -> bool:
+        """Whether a running request is computing the K/V of the query's first uncached block now
+        (the same tokens up to it, in the same namespace) and will publish it: simultaneous
+        requests with one prompt then prefill it once. The wait ends when that block is
+        published, or the request computing it leaves the running list."""
+        if hits >= query.cacheable // PAGE:
+            return False
+        end = (hits + 1) * PAGE
+        wanted = list(query.tokens[:end])
+        for r in self.running:
+            if r.prefix_namespace != query.namespace or r.published > hits:
+                continue
+            theirs = self.hooks.prefix_query(r)
+            if theirs.cacheable >= end and list(theirs.tokens[:end]) == wanted:
+                return True
+        return False
 
     def release(self, req: TrackedRequest) -> None:
         """Give back the request's pages and slot."""

@@ -314,10 +314,17 @@ class EngineRuntime:
 
     def submit(self, job: Job) -> TrackedRequest:
         """Queue a job; its request (with the events it reports) comes back."""
-        req = self.strategy.new_request(job)
+        req = self.new_request(job)
+        self.add(req)
+        return req
+
+    def new_request(self, job: Job) -> TrackedRequest:
+        """The request of a job, checked, not queued yet (`add` queues it)."""
+        return self.strategy.new_request(job)
+
+    def add(self, req: TrackedRequest) -> None:
         with self._lock:
             self.table.add(req)
-        return req
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:

@@ -35,10 +35,11 @@ from cde.steerling.model import SteerlingModel
 from cde.steerling.reference_decoder import clean_output, terminal_ids
 from cde.steerling.sampling import SamplingParams, banned_ids
 from cde.steerling.steering import resolve_alpha
-from worker_svc.engine.events import BlockEvent, FinishEvent, StepEvent
+from cde.tp import local_kv_heads
+from worker_svc.engine.events import BlockEvent, FinishEvent, StepEvent, TokenLogprob
 from worker_svc.engine.job import Job
 from worker_svc.engine.kv_cache import KVCache
-from worker_svc.engine.layouts import BlockResultLayout, BlockResults
+from worker_svc.engine.layouts import TOP_LOGPROBS, BlockResultLayout, BlockResults
 from worker_svc.engine.request_table import PrefixQuery, RequestTable
 from worker_svc.engine.runtime import (ROW_BUCKETS, DecodeStrategy, EngineRuntime, LaunchedStep, StepPlan, bucket,
                                        to_device)
@@ -133,11 +134,15 @@ class SteerlingStrategy(DecodeStrategy):
         committed = list(job.committed)
         if len(committed) >= options.max_new_tokens or (len(committed) and (len(prompt) + len(committed)) % BLOCK):
             raise ValueError("committed tokens must end on a block boundary before max_new_tokens")
+        if job.logprobs is not None and not 0 <= job.logprobs <= TOP_LOGPROBS:
+            raise ValueError(f"logprobs alternatives must be in [0, {TOP_LOGPROBS}]")
+        if job.constraint is not None and self.cfg.eot_id is None:
+            raise ValueError("structured output needs a model with an <|eot_id|> to end on")
         seq = list(prompt) + committed + [self.cfg.mask_id] * (options.max_new_tokens - len(committed))
         return BlockRequest(request_id=job.request_id, prompt=list(prompt), options=options, steering=job.steering,
                             seq=seq, gen_end=gen_end, active=(len(prompt) + len(committed)) // BLOCK,
                             committed=len(committed), step=job.next_step, stream_steps=job.stream_steps,
-                            records=job.records)
+                            records=job.records, logprobs=job.logprobs, constraint=job.constraint)
 
     def admission_refusal(self, req: BlockRequest, idle: bool) -> str | None:
         need = req.active + 1
@@ -167,6 +172,14 @@ class SteerlingStrategy(DecodeStrategy):
         self.tables.steer[s] = 0 if st is None else st.direction.to(self.device, self.dtype, non_blocking=True)
         self.tables.relu[s] = (0 if st is None or st.relu_mask is None
                                else st.relu_mask.to(self.device, non_blocking=True))
+        self._set_allowed(req)
+
+    def _set_allowed(self, req: BlockRequest) -> None:
+        """The slot's allowed ids for the request's next position: its grammar's, or every id."""
+        if req.constraint is None:
+            self.tables.allow[req.slot] = True
+        else:
+            self.tables.allow[req.slot] = torch.from_numpy(req.constraint.allowed()).to(self.device)
 
     def finish_event(self, req: BlockRequest, reason: str, error: str) -> FinishEvent:
         stops = terminal_ids(self.cfg, req.options)
@@ -179,6 +192,8 @@ class SteerlingStrategy(DecodeStrategy):
         return StepPlan(rows) if rows else None
 
     def plan_ahead(self, table: RequestTable, inflight: StepPlan[BlockRow]) -> StepPlan[BlockRow] | None:
+        if any(req.constraint is not None for req in table.running):
+            return None   # a grammar's next mask needs the step's token on the host: no overlap meanwhile
         rows = plan_ahead(table, self.kv.pool, inflight.rows, self.cfg.mask_id, self.max_prefill_rows)
         return StepPlan(rows, overlapped=True) if rows else None
 
@@ -225,6 +240,8 @@ class SteerlingStrategy(DecodeStrategy):
             if not fwd.from_table[i]:
                 fwd.tokens[i, : end - start] = req.seq[start:end]
             smp.heads[i] = left - committed_least   # masks the row has at this step, at most
+            if req.constraint is not None:
+                smp.heads[i] = min(left, 1)         # its leftmost masked position only: left to right
             fwd.positions[i] = _ARANGE_BLOCK + start
             fwd.write_page[i] = req.pages[b]
             fwd.pages[i, : b + 1] = req.pages[: b + 1]
@@ -245,7 +262,7 @@ class SteerlingStrategy(DecodeStrategy):
                 smp.top_p[i] = sp.top_p
                 smp.seed[i] = o.seed
                 smp.step[i] = req.step + steps_ahead
-                smp.tokens_per_step[i] = o.tokens_per_step
+                smp.tokens_per_step[i] = 1 if req.constraint is not None else o.tokens_per_step
                 if o.confidence_threshold is not None:
                     smp.threshold[i] = o.confidence_threshold
         bounds = smp.heads[:n].tolist()
@@ -258,13 +275,12 @@ class SteerlingStrategy(DecodeStrategy):
         self.head_rows += hb
         self.last_heads = (n_candidates, hb)
         self.position_rows += rb * BLOCK
-        n_cols = packed.shape[1] if self._wants_records(rows) else layout.sampled_width
+        n_cols = layout.columns(self._wants_records(rows), any(row.req.logprobs is not None for row in rows if row.is_decode))
         return LaunchedStep(plan, layout, *self.pinned.start_copy(packed[:n, :n_cols]), row_bounds=bounds,
                             plan_point=plan_point)
 
     def update(self, table: RequestTable, step: LaunchedStep) -> None:
-        self._apply(table, step.rows, step.layout.unpack(step.results(), self._wants_records(step.rows)),
-                    step.row_bounds)
+        self._apply(table, step.rows, step.layout.unpack(step.results()), step.row_bounds)
 
     def _wants_records(self, rows: list[BlockRow]) -> bool:
         """Whether a step's results bring its concept records to the host: only when a decode row's
@@ -318,7 +334,7 @@ class SteerlingStrategy(DecodeStrategy):
                 # the host's tokens now are the ones the step ran on: its bound must have held
                 start, end = req.block_range(b)
                 masks = req.seq[start:end].count(self.cfg.mask_id)
-                if masks > head_bounds[i]:
+                if masks > head_bounds[i] and req.constraint is None:
                     raise RuntimeError(f"request {req.request_id}: {masks} masked positions in a step "
                                        f"launched with a bound of {head_bounds[i]} head rows")
             keep = np.flatnonzero(valid[i])
@@ -328,6 +344,11 @@ class SteerlingStrategy(DecodeStrategy):
             toks = tok_sel[i, keep].tolist()
             for p, t in zip(positions, toks):
                 req.seq[p] = t
+            if req.constraint is not None:
+                for t in toks:
+                    req.constraint.advance(t)
+                if self.cfg.eot_id not in toks:   # a grammar that is complete allows only <|eot_id|>
+                    self._set_allowed(req)
             req.committed += len(toks)
             if req.stream_steps:
                 req.events.append(StepEvent(req.request_id, req.step, positions, toks))
@@ -336,6 +357,11 @@ class SteerlingStrategy(DecodeStrategy):
                 # (torch.from_numpy per step and field costs more than the rest of this loop)
                 req.block_records.append(tuple(a[i, keep] for a in (
                     pos_sel, tok_sel, res.target, res.known_idx, res.known_logits, res.disc_idx, res.disc_logits)))
+            if res.logprob is not None and req.logprobs is not None:
+                k = req.logprobs
+                for j, p in zip(keep.tolist(), positions):
+                    req.block_logprobs[p] = TokenLogprob(float(res.logprob[i, j]), res.top_ids[i, j, :k].tolist(),
+                                                         res.top_logprobs[i, j, :k].tolist())
             req.step += 1
             eot = self.cfg.eot_id is not None and self.cfg.eot_id in toks
             start, end = req.block_range(b)
@@ -357,11 +383,15 @@ class SteerlingStrategy(DecodeStrategy):
         records = (RawRecords(*(torch.from_numpy(np.concatenate(parts)) for parts in zip(*req.block_records)))
                    if req.block_records else None)
         req.block_records = []
+        logprobs = None
+        if req.logprobs is not None:   # in position order; a position filled after <|eot_id|> was never sampled
+            logprobs = [req.block_logprobs.get(p) for p in range(first, end)]
+            req.block_logprobs = {}
         stops = terminal_ids(self.cfg, req.options)
         reason = ("stop" if eot or any(t in stops for t in req.seq[len(req.prompt):end])
                   else "length" if end >= req.gen_end else None)
         req.events.append(BlockEvent(req.request_id, b, first, end, req.seq[first:end], records, reason is not None,
-                                     next_step=req.step))
+                                     next_step=req.step, logprobs=logprobs))
         if reason is not None:
             table.finish(req, reason)
             return False
@@ -390,7 +420,7 @@ class SteerlingEngine(EngineRuntime):
                  plan_late_head_rows: int | None = PLAN_LATE_HEAD_ROWS, prefix_caching: bool = True):
         p = next(model.parameters())
         kv = KVCache.sized_from_free_memory(model.cfg, p.dtype, p.device, kv_fraction, n_pages,
-                                            prefix_caching=prefix_caching)
+                                            prefix_caching=prefix_caching, n_kv_heads=local_kv_heads(model))
         strategy = SteerlingStrategy(model, kv, max_slots=max_slots, tokenizer_vocab_size=tokenizer_vocab_size,
                                      max_prefill_rows=max_prefill_rows, compile=compile, cuda_graphs=cuda_graphs,
                                      capture_rows=capture_rows, never_output_ids=never_output_ids,

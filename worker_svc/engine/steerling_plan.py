@@ -16,7 +16,7 @@ A step's rows, each 64 tokens:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from cde.blocks import BLOCK
 from cde.options import DecodeOptions
@@ -43,6 +43,9 @@ class BlockRequest(TrackedRequest):
     block_records: list = field(default_factory=list)
     stream_steps: bool = True        # a StepEvent per step (else only blocks and the finish)
     records: bool = True             # raw concept records with its blocks (for attributions)
+    logprobs: int | None = None      # each committed token's logprob and this many alternatives; None: not asked
+    block_logprobs: dict = field(default_factory=dict)   # the active block's, by position (TokenLogprob)
+    constraint: Any = None           # structured output (cde.grammar.Constraint): one token a step, left to right
 
     # its active block's predecessor just closed and awaits its commit row: the active block's
     # decode row may or may not join that step (`fold_decode_row`)

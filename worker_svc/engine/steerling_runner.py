@@ -48,7 +48,7 @@ from cde.steerling.model import HeadsOutput, SteeringInputs, SteerlingModel
 from cde.steerling.sampling import draw, entropy_temperature, most_confident, top_p_filter
 from worker_svc.engine.attention import BlockKernelUse, block_rows_attend
 from worker_svc.engine.kv_cache import KVCache
-from worker_svc.engine.layouts import BlockResultLayout
+from worker_svc.engine.layouts import TOP_LOGPROBS, BlockResultLayout
 
 
 @dataclass
@@ -131,6 +131,8 @@ class DeviceTables:
         # the step's samples and an <|eot_id|> fill): the input of a step launched before the
         # previous one's results reached the host
         self.block_tokens = torch.zeros(n_slots, BLOCK, dtype=torch.long, device=device)
+        # the ids a constrained request's grammar allows at its next position (all True otherwise)
+        self.allow = torch.ones(n_slots, vocab, dtype=torch.bool, device=device)
 
 
 class StepRunner:
@@ -240,8 +242,10 @@ class StepRunner:
         chosen = head_rows.index.gather(1, idx).reshape(-1)                               # (R * max_tokens,)
         lg_sel = logits.index_select(0, chosen)
         # the chosen positions' adjusted logits, recomputed (elementwise: the same bits)
-        adj_sel = kernels.adjust_logits(lg_sel.view(r, max_tokens, v), relu, seen, s.rep,
-                                        self.banned_mask).reshape(r * max_tokens, v)
+        adj_sel = kernels.adjust_logits(lg_sel.view(r, max_tokens, v), relu, seen, s.rep, self.banned_mask)
+        # structured output: the grammar's allowed ids (a constrained row commits one position a step)
+        allow = self.tables.allow.index_select(0, s.slot)[:, None, :]
+        adj_sel = adj_sel.masked_fill(~allow, float("-inf")).reshape(r * max_tokens, v)
         pos_sel = positions.gather(1, idx)
         u = self.kernels.counter_uniform(s.seed[:, None].expand(r, max_tokens).reshape(-1), pos_sel.reshape(-1),
                             s.step[:, None].expand(r, max_tokens).reshape(-1))
@@ -265,9 +269,15 @@ class StepRunner:
         if row_len is not None:
             self._store_block_tokens(tokens, idx, tok_sel, valid, s, row_len)
 
-        target = lg_sel.gather(1, tok_sel.reshape(-1, 1)).float().view(r, max_tokens)
+        raw = lg_sel.float()
+        target = raw.gather(1, tok_sel.reshape(-1, 1)).view(r, max_tokens)
+        # logprobs: the chosen positions' raw distribution (before penalties, bans and temperature;
+        # steering acts inside the trunk, so it is the steered model's); copied back only when asked
+        lse = torch.logsumexp(raw, -1).view(r, max_tokens)
+        top_v, top_i = raw.topk(TOP_LOGPROBS, -1)
         # One int32 tensor for the single device-to-host copy.
-        return layout.pack(positions=pos_sel, tokens=tok_sel, valid=valid, target=target,
+        return layout.pack(positions=pos_sel, tokens=tok_sel, valid=valid, target=target, logprob=target - lse,
+                           top_ids=top_i, top_logprobs=top_v.view(r, max_tokens, -1) - lse[..., None],
                            known_idx=heads.known_idx[chosen], known_logits=heads.known_logits[chosen],
                            disc_idx=heads.disc_idx[chosen], disc_logits=heads.disc_logits[chosen])
 

@@ -13,19 +13,22 @@ _sym_db = _symbol_database.Default()
 
 
 from cde.rpc.v1 import common_pb2 as cde_dot_v1_dot_common__pb2
+from cde.rpc.v1 import resolved_pb2 as cde_dot_v1_dot_resolved__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63\x64\x65/v1/attribution.proto\x12\x06\x63\x64\x65.v1\x1a\x13\x63\x64\x65/v1/common.proto\"\xe1\x01\n\x10\x41ttributeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x03 \x01(\r\x12%\n\x04mode\x18\x04 \x01(\x0e\x32\x17.cde.v1.AttributionMode\x12\r\n\x05top_k\x18\x05 \x01(\r\x12*\n\x07records\x18\x06 \x01(\x0b\x32\x19.cde.v1.RawConceptRecords\x12\r\n\x05start\x18\x07 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x08 \x03(\r\x12\x0c\n\x04last\x18\t \x01(\x08\"\xa8\x01\n\x11\x41ttributeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\r\x12\x34\n\x12token_attributions\x18\x03 \x03(\x0b\x32\x18.cde.v1.TokenAttribution\x12\x34\n\x12\x63hunk_attributions\x18\x04 \x03(\x0b\x32\x18.cde.v1.ChunkAttribution2S\n\x0b\x41ttribution\x12\x44\n\tAttribute\x12\x18.cde.v1.AttributeRequest\x1a\x19.cde.v1.AttributeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63\x64\x65/v1/attribution.proto\x12\x06\x63\x64\x65.v1\x1a\x13\x63\x64\x65/v1/common.proto\x1a\x15\x63\x64\x65/v1/resolved.proto\"\x84\x02\n\x13InputAttributionJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x03(\r\x12(\n\x07options\x18\x04 \x01(\x0b\x32\x17.cde.v1.ResolvedOptions\x12*\n\x08steering\x18\x05 \x01(\x0b\x32\x18.cde.v1.PreparedSteering\x12\x11\n\tgenerated\x18\x06 \x03(\r\x12\x11\n\tpositions\x18\x07 \x03(\r\x12\x13\n\x0b\x63hunk_start\x18\x08 \x01(\r\x12\x11\n\tchunk_end\x18\t \x01(\r\x12\x0f\n\x07n_steps\x18\n \x01(\r\"\xe1\x01\n\x10\x41ttributeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x03 \x01(\r\x12%\n\x04mode\x18\x04 \x01(\x0e\x32\x17.cde.v1.AttributionMode\x12\r\n\x05top_k\x18\x05 \x01(\r\x12*\n\x07records\x18\x06 \x01(\x0b\x32\x19.cde.v1.RawConceptRecords\x12\r\n\x05start\x18\x07 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x08 \x03(\r\x12\x0c\n\x04last\x18\t \x01(\x08\"\xa8\x01\n\x11\x41ttributeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\r\x12\x34\n\x12token_attributions\x18\x03 \x03(\x0b\x32\x18.cde.v1.TokenAttribution\x12\x34\n\x12\x63hunk_attributions\x18\x04 \x03(\x0b\x32\x18.cde.v1.ChunkAttribution2\xa4\x01\n\x0b\x41ttribution\x12\x44\n\tAttribute\x12\x18.cde.v1.AttributeRequest\x1a\x19.cde.v1.AttributeResponse(\x01\x30\x01\x12O\n\x0f\x41ttributeInputs\x12\x1b.cde.v1.InputAttributionJob\x1a\x1d.cde.v1.InputAttributionEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cde.rpc.v1.attribution_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ATTRIBUTEREQUEST']._serialized_start=58
-  _globals['_ATTRIBUTEREQUEST']._serialized_end=283
-  _globals['_ATTRIBUTERESPONSE']._serialized_start=286
-  _globals['_ATTRIBUTERESPONSE']._serialized_end=454
-  _globals['_ATTRIBUTION']._serialized_start=456
-  _globals['_ATTRIBUTION']._serialized_end=539
+  _globals['_INPUTATTRIBUTIONJOB']._serialized_start=81
+  _globals['_INPUTATTRIBUTIONJOB']._serialized_end=341
+  _globals['_ATTRIBUTEREQUEST']._serialized_start=344
+  _globals['_ATTRIBUTEREQUEST']._serialized_end=569
+  _globals['_ATTRIBUTERESPONSE']._serialized_start=572
+  _globals['_ATTRIBUTERESPONSE']._serialized_end=740
+  _globals['_ATTRIBUTION']._serialized_start=743
+  _globals['_ATTRIBUTION']._serialized_end=907
 # @@protoc_insertion_point(module_scope)

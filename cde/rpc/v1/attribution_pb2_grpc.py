@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from cde.rpc.v1 import attribution_pb2 as cde_dot_v1_dot_attribution__pb2
+from cde.rpc.v1 import common_pb2 as cde_dot_v1_dot_common__pb2
 
 GRPC_GENERATED_VERSION = '1.64.3'
 GRPC_VERSION = grpc.__version__
@@ -44,6 +45,11 @@ class AttributionStub(object):
                 request_serializer=cde_dot_v1_dot_attribution__pb2.AttributeRequest.SerializeToString,
                 response_deserializer=cde_dot_v1_dot_attribution__pb2.AttributeResponse.FromString,
                 _registered_method=True)
+        self.AttributeInputs = channel.unary_stream(
+                '/cde.v1.Attribution/AttributeInputs',
+                request_serializer=cde_dot_v1_dot_attribution__pb2.InputAttributionJob.SerializeToString,
+                response_deserializer=cde_dot_v1_dot_common__pb2.InputAttributionEvent.FromString,
+                _registered_method=True)
 
 
 class AttributionServicer(object):
@@ -59,6 +65,15 @@ class AttributionServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttributeInputs(self, request, context):
+        """Input attribution of a finished request (the scheduler sends its stored spec and tokens):
+        progress while it runs, one TargetAttribution per target, then the summary. Needs the
+        replica to hold the model (--input-attribution).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttributionServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -66,6 +81,11 @@ def add_AttributionServicer_to_server(servicer, server):
                     servicer.Attribute,
                     request_deserializer=cde_dot_v1_dot_attribution__pb2.AttributeRequest.FromString,
                     response_serializer=cde_dot_v1_dot_attribution__pb2.AttributeResponse.SerializeToString,
+            ),
+            'AttributeInputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.AttributeInputs,
+                    request_deserializer=cde_dot_v1_dot_attribution__pb2.InputAttributionJob.FromString,
+                    response_serializer=cde_dot_v1_dot_common__pb2.InputAttributionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -95,6 +115,33 @@ class Attribution(object):
             '/cde.v1.Attribution/Attribute',
             cde_dot_v1_dot_attribution__pb2.AttributeRequest.SerializeToString,
             cde_dot_v1_dot_attribution__pb2.AttributeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttributeInputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cde.v1.Attribution/AttributeInputs',
+            cde_dot_v1_dot_attribution__pb2.InputAttributionJob.SerializeToString,
+            cde_dot_v1_dot_common__pb2.InputAttributionEvent.FromString,
             options,
             channel_credentials,
             insecure,

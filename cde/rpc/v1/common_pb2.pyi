@@ -261,7 +261,7 @@ class StepEvent(_message.Message):
     def __init__(self, step: _Optional[int] = ..., block_index: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., drafts_proposed: _Optional[int] = ..., drafts_accepted: _Optional[int] = ..., rejected_token: _Optional[int] = ...) -> None: ...
 
 class BlockCommitted(_message.Message):
-    __slots__ = ("block_index", "start", "tokens", "records", "token_attributions", "chunk_attributions", "next_step", "last")
+    __slots__ = ("block_index", "start", "tokens", "records", "token_attributions", "chunk_attributions", "next_step", "last", "logprobs")
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,7 @@ class BlockCommitted(_message.Message):
     CHUNK_ATTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     block_index: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -278,7 +279,8 @@ class BlockCommitted(_message.Message):
     chunk_attributions: _containers.RepeatedCompositeFieldContainer[ChunkAttribution]
     next_step: int
     last: bool
-    def __init__(self, block_index: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., records: _Optional[_Union[RawConceptRecords, _Mapping]] = ..., token_attributions: _Optional[_Iterable[_Union[TokenAttribution, _Mapping]]] = ..., chunk_attributions: _Optional[_Iterable[_Union[ChunkAttribution, _Mapping]]] = ..., next_step: _Optional[int] = ..., last: bool = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenScore]
+    def __init__(self, block_index: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., records: _Optional[_Union[RawConceptRecords, _Mapping]] = ..., token_attributions: _Optional[_Iterable[_Union[TokenAttribution, _Mapping]]] = ..., chunk_attributions: _Optional[_Iterable[_Union[ChunkAttribution, _Mapping]]] = ..., next_step: _Optional[int] = ..., last: bool = ..., logprobs: _Optional[_Iterable[_Union[TokenScore, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "steps", "forwards", "tokens_per_forward", "isd_acceptance")
@@ -361,3 +363,69 @@ class ScoreResponse(_message.Message):
     scores: _containers.RepeatedCompositeFieldContainer[TokenScore]
     total: float
     def __init__(self, scores: _Optional[_Iterable[_Union[TokenScore, _Mapping]]] = ..., total: _Optional[float] = ...) -> None: ...
+
+class InputAttributionRequest(_message.Message):
+    __slots__ = ("request_id", "positions", "chunk_start", "chunk_end", "n_steps")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_START_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_END_FIELD_NUMBER: _ClassVar[int]
+    N_STEPS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    chunk_start: int
+    chunk_end: int
+    n_steps: int
+    def __init__(self, request_id: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ..., chunk_start: _Optional[int] = ..., chunk_end: _Optional[int] = ..., n_steps: _Optional[int] = ...) -> None: ...
+
+class InputScore(_message.Message):
+    __slots__ = ("position", "token", "score", "normalized")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZED_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    token: int
+    score: float
+    normalized: float
+    def __init__(self, position: _Optional[int] = ..., token: _Optional[int] = ..., score: _Optional[float] = ..., normalized: _Optional[float] = ...) -> None: ...
+
+class TargetAttribution(_message.Message):
+    __slots__ = ("position", "token", "commit_order", "inputs")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_ORDER_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    token: int
+    commit_order: int
+    inputs: _containers.RepeatedCompositeFieldContainer[InputScore]
+    def __init__(self, position: _Optional[int] = ..., token: _Optional[int] = ..., commit_order: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputScore, _Mapping]]] = ...) -> None: ...
+
+class InputAttributionProgress(_message.Message):
+    __slots__ = ("done", "total")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    done: int
+    total: int
+    def __init__(self, done: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class InputAttributionEvent(_message.Message):
+    __slots__ = ("progress", "target", "summary")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    progress: InputAttributionProgress
+    target: TargetAttribution
+    summary: InputAttributionSummary
+    def __init__(self, progress: _Optional[_Union[InputAttributionProgress, _Mapping]] = ..., target: _Optional[_Union[TargetAttribution, _Mapping]] = ..., summary: _Optional[_Union[InputAttributionSummary, _Mapping]] = ...) -> None: ...
+
+class InputAttributionSummary(_message.Message):
+    __slots__ = ("prompt", "targets", "n_steps")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    N_STEPS_FIELD_NUMBER: _ClassVar[int]
+    prompt: _containers.RepeatedCompositeFieldContainer[InputScore]
+    targets: int
+    n_steps: int
+    def __init__(self, prompt: _Optional[_Iterable[_Union[InputScore, _Mapping]]] = ..., targets: _Optional[int] = ..., n_steps: _Optional[int] = ...) -> None: ...

@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 from cde.rpc.v1 import common_pb2 as cde_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x63\x64\x65/v1/generate.proto\x12\x06\x63\x64\x65.v1\x1a\x13\x63\x64\x65/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"5\n\x0c\x43hatMessages\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.cde.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12$\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x14.cde.v1.ChatMessagesH\x00\x12%\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x10.cde.v1.TokenIdsH\x00\x12%\n\x06\x64\x65\x63ode\x18\x06 \x01(\x0b\x32\x15.cde.v1.DecodeOptions\x12)\n\x08sampling\x18\x07 \x01(\x0b\x32\x17.cde.v1.SamplingOptions\x12)\n\x08steering\x18\x08 \x01(\x0b\x32\x17.cde.v1.SteeringRequest\x12,\n\x0b\x61ttribution\x18\t \x01(\x0e\x32\x17.cde.v1.AttributionMode\x12\x19\n\x11\x61ttribution_top_k\x18\n \x01(\r\x12\x14\n\x0cstream_steps\x18\x0b \x01(\x08\x42\x07\n\x05input\"\xba\x01\n\nBlockEvent\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x34\n\x12token_attributions\x18\x05 \x03(\x0b\x32\x18.cde.v1.TokenAttribution\x12\x34\n\x12\x63hunk_attributions\x18\x06 \x03(\x0b\x32\x18.cde.v1.ChunkAttribution\"\xaf\x01\n\x10GenerateResponse\x12$\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x10.cde.v1.AcceptedH\x00\x12!\n\x04step\x18\x02 \x01(\x0b\x32\x11.cde.v1.StepEventH\x00\x12#\n\x05\x62lock\x18\x03 \x01(\x0b\x32\x12.cde.v1.BlockEventH\x00\x12$\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x10.cde.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x13\n\x11ListModelsRequest\"\x93\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1c\n\x14\x64iffusion_block_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x18\n\x10n_known_concepts\x18\x04 \x01(\r\x12\x1d\n\x15n_discovered_concepts\x18\x05 \x01(\r\x12\x0e\n\x06\x66\x61mily\x18\x06 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.cde.v1.ModelInfo2\xd9\x02\n\nGeneration\x12?\n\x08Generate\x12\x17.cde.v1.GenerateRequest\x1a\x18.cde.v1.GenerateResponse0\x01\x12;\n\x06Resume\x12\x15.cde.v1.ResumeRequest\x1a\x18.cde.v1.GenerateResponse0\x01\x12\x37\n\x06\x43\x61ncel\x12\x15.cde.v1.CancelRequest\x1a\x16.cde.v1.CancelResponse\x12\x43\n\nListModels\x12\x19.cde.v1.ListModelsRequest\x1a\x1a.cde.v1.ListModelsResponse\x12O\n\x0eSearchConcepts\x12\x1d.cde.v1.SearchConceptsRequest\x1a\x1e.cde.v1.SearchConceptsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x63\x64\x65/v1/generate.proto\x12\x06\x63\x64\x65.v1\x1a\x13\x63\x64\x65/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"5\n\x0c\x43hatMessages\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.cde.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd1\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12$\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x14.cde.v1.ChatMessagesH\x00\x12%\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x10.cde.v1.TokenIdsH\x00\x12%\n\x06\x64\x65\x63ode\x18\x06 \x01(\x0b\x32\x15.cde.v1.DecodeOptions\x12)\n\x08sampling\x18\x07 \x01(\x0b\x32\x17.cde.v1.SamplingOptions\x12)\n\x08steering\x18\x08 \x01(\x0b\x32\x17.cde.v1.SteeringRequest\x12,\n\x0b\x61ttribution\x18\t \x01(\x0e\x32\x17.cde.v1.AttributionMode\x12\x19\n\x11\x61ttribution_top_k\x18\n \x01(\r\x12\x14\n\x0cstream_steps\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x12/\n\x0fresponse_format\x18\x0e \x01(\x0b\x32\x16.cde.v1.ResponseFormatB\x07\n\x05input\"Y\n\x0eResponseFormat\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\xe0\x01\n\nBlockEvent\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x34\n\x12token_attributions\x18\x05 \x03(\x0b\x32\x18.cde.v1.TokenAttribution\x12\x34\n\x12\x63hunk_attributions\x18\x06 \x03(\x0b\x32\x18.cde.v1.ChunkAttribution\x12$\n\x08logprobs\x18\x07 \x03(\x0b\x32\x12.cde.v1.TokenScore\"\xaf\x01\n\x10GenerateResponse\x12$\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x10.cde.v1.AcceptedH\x00\x12!\n\x04step\x18\x02 \x01(\x0b\x32\x11.cde.v1.StepEventH\x00\x12#\n\x05\x62lock\x18\x03 \x01(\x0b\x32\x12.cde.v1.BlockEventH\x00\x12$\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x10.cde.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x13\n\x11ListModelsRequest\"\x93\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1c\n\x14\x64iffusion_block_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x18\n\x10n_known_concepts\x18\x04 \x01(\r\x12\x1d\n\x15n_discovered_concepts\x18\x05 \x01(\r\x12\x0e\n\x06\x66\x61mily\x18\x06 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.cde.v1.ModelInfo2\xae\x03\n\nGeneration\x12?\n\x08Generate\x12\x17.cde.v1.GenerateRequest\x1a\x18.cde.v1.GenerateResponse0\x01\x12;\n\x06Resume\x12\x15.cde.v1.ResumeRequest\x1a\x18.cde.v1.GenerateResponse0\x01\x12\x37\n\x06\x43\x61ncel\x12\x15.cde.v1.CancelRequest\x1a\x16.cde.v1.CancelResponse\x12\x43\n\nListModels\x12\x19.cde.v1.ListModelsRequest\x1a\x1a.cde.v1.ListModelsResponse\x12O\n\x0eSearchConcepts\x12\x1d.cde.v1.SearchConceptsRequest\x1a\x1e.cde.v1.SearchConceptsResponse\x12S\n\x0f\x41ttributeInputs\x12\x1f.cde.v1.InputAttributionRequest\x1a\x1d.cde.v1.InputAttributionEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -29,17 +29,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=155
   _globals['_TOKENIDS']._serialized_end=178
   _globals['_GENERATEREQUEST']._serialized_start=181
-  _globals['_GENERATEREQUEST']._serialized_end=557
-  _globals['_BLOCKEVENT']._serialized_start=560
-  _globals['_BLOCKEVENT']._serialized_end=746
-  _globals['_GENERATERESPONSE']._serialized_start=749
-  _globals['_GENERATERESPONSE']._serialized_end=924
-  _globals['_LISTMODELSREQUEST']._serialized_start=926
-  _globals['_LISTMODELSREQUEST']._serialized_end=945
-  _globals['_MODELINFO']._serialized_start=948
-  _globals['_MODELINFO']._serialized_end=1095
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1097
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1152
-  _globals['_GENERATION']._serialized_start=1155
-  _globals['_GENERATION']._serialized_end=1500
+  _globals['_GENERATEREQUEST']._serialized_end=646
+  _globals['_RESPONSEFORMAT']._serialized_start=648
+  _globals['_RESPONSEFORMAT']._serialized_end=737
+  _globals['_BLOCKEVENT']._serialized_start=740
+  _globals['_BLOCKEVENT']._serialized_end=964
+  _globals['_GENERATERESPONSE']._serialized_start=967
+  _globals['_GENERATERESPONSE']._serialized_end=1142
+  _globals['_LISTMODELSREQUEST']._serialized_start=1144
+  _globals['_LISTMODELSREQUEST']._serialized_end=1163
+  _globals['_MODELINFO']._serialized_start=1166
+  _globals['_MODELINFO']._serialized_end=1313
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1315
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1370
+  _globals['_GENERATION']._serialized_start=1373
+  _globals['_GENERATION']._serialized_end=1803
 # @@protoc_insertion_point(module_scope)

@@ -27,7 +27,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "chat", "token_ids", "decode", "sampling", "steering", "attribution", "attribution_top_k", "stream_steps")
+    __slots__ = ("request_id", "model", "prompt", "chat", "token_ids", "decode", "sampling", "steering", "attribution", "attribution_top_k", "stream_steps", "logprobs", "top_logprobs", "response_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,9 @@ class GenerateRequest(_message.Message):
     ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTION_TOP_K_FIELD_NUMBER: _ClassVar[int]
     STREAM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: str
@@ -50,23 +53,38 @@ class GenerateRequest(_message.Message):
     attribution: _common_pb2.AttributionMode
     attribution_top_k: int
     stream_steps: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.DecodeOptions, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.SteeringRequest, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.AttributionMode, str]] = ..., attribution_top_k: _Optional[int] = ..., stream_steps: bool = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    response_format: ResponseFormat
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.DecodeOptions, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.SteeringRequest, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.AttributionMode, str]] = ..., attribution_top_k: _Optional[int] = ..., stream_steps: bool = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+
+class ResponseFormat(_message.Message):
+    __slots__ = ("json_object", "json_schema", "regex")
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    json_object: bool
+    json_schema: str
+    regex: str
+    def __init__(self, json_object: bool = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
-    __slots__ = ("block_index", "start", "tokens", "text", "token_attributions", "chunk_attributions")
+    __slots__ = ("block_index", "start", "tokens", "text", "token_attributions", "chunk_attributions", "logprobs")
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ATTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ATTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     block_index: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     text: str
     token_attributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenAttribution]
     chunk_attributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChunkAttribution]
-    def __init__(self, block_index: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., token_attributions: _Optional[_Iterable[_Union[_common_pb2.TokenAttribution, _Mapping]]] = ..., chunk_attributions: _Optional[_Iterable[_Union[_common_pb2.ChunkAttribution, _Mapping]]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenScore]
+    def __init__(self, block_index: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., token_attributions: _Optional[_Iterable[_Union[_common_pb2.TokenAttribution, _Mapping]]] = ..., chunk_attributions: _Optional[_Iterable[_Union[_common_pb2.ChunkAttribution, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenScore, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("accepted", "step", "block", "finished")

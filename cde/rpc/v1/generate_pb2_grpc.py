@@ -65,6 +65,11 @@ class GenerationStub(object):
                 request_serializer=cde_dot_v1_dot_common__pb2.SearchConceptsRequest.SerializeToString,
                 response_deserializer=cde_dot_v1_dot_common__pb2.SearchConceptsResponse.FromString,
                 _registered_method=True)
+        self.AttributeInputs = channel.unary_stream(
+                '/cde.v1.Generation/AttributeInputs',
+                request_serializer=cde_dot_v1_dot_common__pb2.InputAttributionRequest.SerializeToString,
+                response_deserializer=cde_dot_v1_dot_common__pb2.InputAttributionEvent.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer(object):
@@ -104,6 +109,14 @@ class GenerationServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttributeInputs(self, request, context):
+        """Which prompt and earlier tokens caused generated tokens of a finished request (block
+        diffusion): progress, one TargetAttribution per target, then a summary over the prompt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +144,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.SearchConcepts,
                     request_deserializer=cde_dot_v1_dot_common__pb2.SearchConceptsRequest.FromString,
                     response_serializer=cde_dot_v1_dot_common__pb2.SearchConceptsResponse.SerializeToString,
+            ),
+            'AttributeInputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.AttributeInputs,
+                    request_deserializer=cde_dot_v1_dot_common__pb2.InputAttributionRequest.FromString,
+                    response_serializer=cde_dot_v1_dot_common__pb2.InputAttributionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +286,33 @@ class Generation(object):
             '/cde.v1.Generation/SearchConcepts',
             cde_dot_v1_dot_common__pb2.SearchConceptsRequest.SerializeToString,
             cde_dot_v1_dot_common__pb2.SearchConceptsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttributeInputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cde.v1.Generation/AttributeInputs',
+            cde_dot_v1_dot_common__pb2.InputAttributionRequest.SerializeToString,
+            cde_dot_v1_dot_common__pb2.InputAttributionEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,7 @@ from cde.rpc.v1 import common_pb2 as cde_dot_v1_dot_common__pb2
 from cde.rpc.v1 import resolved_pb2 as cde_dot_v1_dot_resolved__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x64\x65/v1/scheduler.proto\x12\x06\x63\x64\x65.v1\x1a\x13\x63\x64\x65/v1/common.proto\x1a\x15\x63\x64\x65/v1/resolved.proto\"\x9c\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x03(\r\x12(\n\x07options\x18\n \x01(\x0b\x32\x17.cde.v1.ResolvedOptions\x12*\n\x08steering\x18\x06 \x01(\x0b\x32\x18.cde.v1.PreparedSteering\x12,\n\x0b\x61ttribution\x18\x07 \x01(\x0e\x32\x17.cde.v1.AttributionMode\x12\x19\n\x11\x61ttribution_top_k\x18\x08 \x01(\r\x12\x14\n\x0cstream_steps\x18\t \x01(\x08J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x06\x64\x65\x63odeR\x08sampling\"6\n\rDetachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tattach_id\x18\x02 \x01(\t\"\xb1\x01\n\x0eSchedulerEvent\x12$\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x10.cde.v1.AcceptedH\x00\x12!\n\x04step\x18\x02 \x01(\x0b\x32\x11.cde.v1.StepEventH\x00\x12\'\n\x05\x62lock\x18\x03 \x01(\x0b\x32\x16.cde.v1.BlockCommittedH\x00\x12$\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x10.cde.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\xa2\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\r\x12\x15\n\rkv_pages_free\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\"*\n\tWorkerAck\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xc9\x01\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12#\n\x07workers\x18\x03 \x03(\x0b\x32\x12.cde.v1.WorkerInfo\x12\x0e\n\x06placed\x18\x04 \x01(\x04\x12$\n\x1csubmit_to_worker_seconds_sum\x18\x05 \x01(\x01\x12\x14\n\x0c\x66irst_blocks\x18\x06 \x01(\x04\x12%\n\x1d\x66irst_block_relay_seconds_sum\x18\x07 \x01(\x01\x32\xcc\x03\n\tScheduler\x12\x39\n\x06Submit\x12\x15.cde.v1.SubmitRequest\x1a\x16.cde.v1.SchedulerEvent0\x01\x12\x39\n\x06Resume\x12\x15.cde.v1.ResumeRequest\x1a\x16.cde.v1.SchedulerEvent0\x01\x12\x37\n\x06\x43\x61ncel\x12\x15.cde.v1.CancelRequest\x1a\x16.cde.v1.CancelResponse\x12\x37\n\x06\x44\x65tach\x12\x15.cde.v1.DetachRequest\x1a\x16.cde.v1.CancelResponse\x12\x37\n\x0eRegisterWorker\x12\x12.cde.v1.WorkerInfo\x1a\x11.cde.v1.WorkerAck\x12\x32\n\tHeartbeat\x12\x12.cde.v1.WorkerInfo\x1a\x11.cde.v1.WorkerAck\x12\x34\n\x05Stats\x12\x14.cde.v1.StatsRequest\x1a\x15.cde.v1.StatsResponse\x12\x34\n\x05Score\x12\x14.cde.v1.ScoreRequest\x1a\x15.cde.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x64\x65/v1/scheduler.proto\x12\x06\x63\x64\x65.v1\x1a\x13\x63\x64\x65/v1/common.proto\x1a\x15\x63\x64\x65/v1/resolved.proto\"\xd9\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x03(\r\x12(\n\x07options\x18\n \x01(\x0b\x32\x17.cde.v1.ResolvedOptions\x12*\n\x08steering\x18\x06 \x01(\x0b\x32\x18.cde.v1.PreparedSteering\x12,\n\x0b\x61ttribution\x18\x07 \x01(\x0e\x32\x17.cde.v1.AttributionMode\x12\x19\n\x11\x61ttribution_top_k\x18\x08 \x01(\r\x12\x14\n\x0cstream_steps\x18\t \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07grammar\x18\x0c \x01(\tB\x0f\n\r_top_logprobsJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x06\x64\x65\x63odeR\x08sampling\"6\n\rDetachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tattach_id\x18\x02 \x01(\t\"\xb1\x01\n\x0eSchedulerEvent\x12$\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x10.cde.v1.AcceptedH\x00\x12!\n\x04step\x18\x02 \x01(\x0b\x32\x11.cde.v1.StepEventH\x00\x12\'\n\x05\x62lock\x18\x03 \x01(\x0b\x32\x16.cde.v1.BlockCommittedH\x00\x12$\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x10.cde.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\xdb\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\r\x12\x15\n\rkv_pages_free\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\"*\n\tWorkerAck\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xc9\x01\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12#\n\x07workers\x18\x03 \x03(\x0b\x32\x12.cde.v1.WorkerInfo\x12\x0e\n\x06placed\x18\x04 \x01(\x04\x12$\n\x1csubmit_to_worker_seconds_sum\x18\x05 \x01(\x01\x12\x14\n\x0c\x66irst_blocks\x18\x06 \x01(\x04\x12%\n\x1d\x66irst_block_relay_seconds_sum\x18\x07 \x01(\x01\x32\xa1\x04\n\tScheduler\x12\x39\n\x06Submit\x12\x15.cde.v1.SubmitRequest\x1a\x16.cde.v1.SchedulerEvent0\x01\x12\x39\n\x06Resume\x12\x15.cde.v1.ResumeRequest\x1a\x16.cde.v1.SchedulerEvent0\x01\x12\x37\n\x06\x43\x61ncel\x12\x15.cde.v1.CancelRequest\x1a\x16.cde.v1.CancelResponse\x12\x37\n\x06\x44\x65tach\x12\x15.cde.v1.DetachRequest\x1a\x16.cde.v1.CancelResponse\x12\x37\n\x0eRegisterWorker\x12\x12.cde.v1.WorkerInfo\x1a\x11.cde.v1.WorkerAck\x12\x32\n\tHeartbeat\x12\x12.cde.v1.WorkerInfo\x1a\x11.cde.v1.WorkerAck\x12\x34\n\x05Stats\x12\x14.cde.v1.StatsRequest\x1a\x15.cde.v1.StatsResponse\x12\x34\n\x05Score\x12\x14.cde.v1.ScoreRequest\x1a\x15.cde.v1.ScoreResponse\x12S\n\x0f\x41ttributeInputs\x12\x1f.cde.v1.InputAttributionRequest\x1a\x1d.cde.v1.InputAttributionEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -24,19 +24,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cde.rpc.v1.scheduler_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=79
-  _globals['_SUBMITREQUEST']._serialized_end=363
-  _globals['_DETACHREQUEST']._serialized_start=365
-  _globals['_DETACHREQUEST']._serialized_end=419
-  _globals['_SCHEDULEREVENT']._serialized_start=422
-  _globals['_SCHEDULEREVENT']._serialized_end=599
-  _globals['_WORKERINFO']._serialized_start=602
-  _globals['_WORKERINFO']._serialized_end=764
-  _globals['_WORKERACK']._serialized_start=766
-  _globals['_WORKERACK']._serialized_end=808
-  _globals['_STATSREQUEST']._serialized_start=810
-  _globals['_STATSREQUEST']._serialized_end=824
-  _globals['_STATSRESPONSE']._serialized_start=827
-  _globals['_STATSRESPONSE']._serialized_end=1028
-  _globals['_SCHEDULER']._serialized_start=1031
-  _globals['_SCHEDULER']._serialized_end=1491
+  _globals['_SUBMITREQUEST']._serialized_end=424
+  _globals['_DETACHREQUEST']._serialized_start=426
+  _globals['_DETACHREQUEST']._serialized_end=480
+  _globals['_SCHEDULEREVENT']._serialized_start=483
+  _globals['_SCHEDULEREVENT']._serialized_end=660
+  _globals['_WORKERINFO']._serialized_start=663
+  _globals['_WORKERINFO']._serialized_end=882
+  _globals['_WORKERACK']._serialized_start=884
+  _globals['_WORKERACK']._serialized_end=926
+  _globals['_STATSREQUEST']._serialized_start=928
+  _globals['_STATSREQUEST']._serialized_end=942
+  _globals['_STATSRESPONSE']._serialized_start=945
+  _globals['_STATSRESPONSE']._serialized_end=1146
+  _globals['_SCHEDULER']._serialized_start=1149
+  _globals['_SCHEDULER']._serialized_end=1694
 # @@protoc_insertion_point(module_scope)

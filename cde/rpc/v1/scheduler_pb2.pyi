@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens", "options", "steering", "attribution", "attribution_top_k", "stream_steps")
+    __slots__ = ("request_id", "model", "prompt_tokens", "options", "steering", "attribution", "attribution_top_k", "stream_steps", "top_logprobs", "grammar")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class SubmitRequest(_message.Message):
     ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTION_TOP_K_FIELD_NUMBER: _ClassVar[int]
     STREAM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +27,9 @@ class SubmitRequest(_message.Message):
     attribution: _common_pb2.AttributionMode
     attribution_top_k: int
     stream_steps: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., options: _Optional[_Union[_resolved_pb2.ResolvedOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.AttributionMode, str]] = ..., attribution_top_k: _Optional[int] = ..., stream_steps: bool = ...) -> None: ...
+    top_logprobs: int
+    grammar: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., options: _Optional[_Union[_resolved_pb2.ResolvedOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., attribution: _Optional[_Union[_common_pb2.AttributionMode, str]] = ..., attribution_top_k: _Optional[int] = ..., stream_steps: bool = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("request_id", "attach_id")
@@ -48,7 +52,7 @@ class SchedulerEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[_common_pb2.Accepted, _Mapping]] = ..., step: _Optional[_Union[_common_pb2.StepEvent, _Mapping]] = ..., block: _Optional[_Union[_common_pb2.BlockCommitted, _Mapping]] = ..., finished: _Optional[_Union[_common_pb2.Finished, _Mapping]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model", "kv_pages_total", "kv_pages_free", "running", "waiting", "draining")
+    __slots__ = ("worker_id", "address", "model", "kv_pages_total", "kv_pages_free", "running", "waiting", "draining", "prefix_cache_queries", "prefix_cache_hits")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +61,8 @@ class WorkerInfo(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model: str
@@ -65,7 +71,9 @@ class WorkerInfo(_message.Message):
     running: int
     waiting: int
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., draining: bool = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., draining: bool = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class WorkerAck(_message.Message):
     __slots__ = ("heartbeat_interval_ms",)

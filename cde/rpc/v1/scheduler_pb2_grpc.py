@@ -80,6 +80,11 @@ class SchedulerStub(object):
                 request_serializer=cde_dot_v1_dot_common__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=cde_dot_v1_dot_common__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.AttributeInputs = channel.unary_stream(
+                '/cde.v1.Scheduler/AttributeInputs',
+                request_serializer=cde_dot_v1_dot_common__pb2.InputAttributionRequest.SerializeToString,
+                response_deserializer=cde_dot_v1_dot_common__pb2.InputAttributionEvent.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer(object):
@@ -143,6 +148,13 @@ class SchedulerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttributeInputs(self, request, context):
+        """Input attribution of a finished request, computed by an attribution replica from the stored request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +197,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=cde_dot_v1_dot_common__pb2.ScoreRequest.FromString,
                     response_serializer=cde_dot_v1_dot_common__pb2.ScoreResponse.SerializeToString,
+            ),
+            'AttributeInputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.AttributeInputs,
+                    request_deserializer=cde_dot_v1_dot_common__pb2.InputAttributionRequest.FromString,
+                    response_serializer=cde_dot_v1_dot_common__pb2.InputAttributionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -403,6 +420,33 @@ class Scheduler(object):
             '/cde.v1.Scheduler/Score',
             cde_dot_v1_dot_common__pb2.ScoreRequest.SerializeToString,
             cde_dot_v1_dot_common__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttributeInputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cde.v1.Scheduler/AttributeInputs',
+            cde_dot_v1_dot_common__pb2.InputAttributionRequest.SerializeToString,
+            cde_dot_v1_dot_common__pb2.InputAttributionEvent.FromString,
             options,
             channel_credentials,
             insecure,

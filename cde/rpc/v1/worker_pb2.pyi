@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerSubmit(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "committed_tokens", "next_step", "options", "steering", "stream_steps", "no_records")
+    __slots__ = ("request_id", "prompt_tokens", "committed_tokens", "next_step", "options", "steering", "stream_steps", "no_records", "top_logprobs", "grammar")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class WorkerSubmit(_message.Message):
     STEERING_FIELD_NUMBER: _ClassVar[int]
     STREAM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NO_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     committed_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +27,9 @@ class WorkerSubmit(_message.Message):
     steering: _common_pb2.PreparedSteering
     stream_steps: bool
     no_records: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., committed_tokens: _Optional[_Iterable[int]] = ..., next_step: _Optional[int] = ..., options: _Optional[_Union[_resolved_pb2.ResolvedOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., stream_steps: bool = ..., no_records: bool = ...) -> None: ...
+    top_logprobs: int
+    grammar: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., committed_tokens: _Optional[_Iterable[int]] = ..., next_step: _Optional[int] = ..., options: _Optional[_Union[_resolved_pb2.ResolvedOptions, _Mapping]] = ..., steering: _Optional[_Union[_common_pb2.PreparedSteering, _Mapping]] = ..., stream_steps: bool = ..., no_records: bool = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
     __slots__ = ("step", "block", "finished")

@@ -1,6 +1,6 @@
 // The inspector: one token's attribution (its terms summing to the logit) or a concept's catalog entry.
 
-import { getJson, ApiError } from "./api.js";
+import { getJson, streamPost, ApiError } from "./api.js";
 
 function el(tag, attrs = {}, ...children) {
   const e = document.createElement(tag);
@@ -60,8 +60,50 @@ export class Inspector {
           el("td", { class: "num", "data-sum": sum.toFixed(6) }, fmt(sum))),
         el("tr", {}, el("th", { scope: "row" }, "target logit"), el("td", {}, ""),
           el("td", { class: "num", "data-logit": ta.target_logit.toFixed(6) }, fmt(ta.target_logit)))));
-    this.body.replaceChildren(table, el("p", { class: adds ? "ok" : "hint", "data-adds-up": String(adds) }, verdict));
+    const parts = [table, el("p", { class: adds ? "ok" : "hint", "data-adds-up": String(adds) }, verdict)];
+    if (run && run.requestId && !run.causal && run.state === "done") {
+      parts.push(el("button", { type: "button", class: "inputs-button", onclick: () => this.showInputs(ta, run) },
+        "Which inputs caused it?"));
+    }
+    this.body.replaceChildren(...parts);
     this.body.dataset.view = "token";
+  }
+
+  /** Input attribution (POST /v1/attributions/inputs): a heat map over the prompt and the tokens
+   * committed before this one, by their integrated-gradients share of its logit. */
+  async showInputs(ta, run) {
+    const status = el("p", { class: "hint", "data-progress": "0" }, "attributing to the inputs…");
+    const heat = el("p", { class: "heat", "aria-label": "input attribution heat map" });
+    const legend = el("p", { class: "hint" }, "blue raised the token's logit, red lowered it; hover for the score");
+    this.body.append(el("h4", {}, `Which inputs caused ${JSON.stringify(ta.text)}`), status, heat);
+    const body = { request_id: run.requestId, positions: [ta.position], n_steps: 16, stream: true };
+    try {
+      await streamPost("/v1/attributions/inputs", body, (ev) => {
+        if (ev.object === "cde.input_attribution.progress") {
+          status.textContent = `${ev.done} of ${ev.total} tokens attributed`;
+          status.dataset.progress = String(ev.done);
+        } else if (ev.object === "cde.input_attribution.target") {
+          this._heatMap(heat, ev);
+          status.textContent = `committed at step ${ev.commit_order}; ${ev.inputs.length} inputs it saw`;
+          this.body.append(legend);
+        }
+      });
+      status.dataset.done = "true";
+    } catch (e) {
+      status.className = "error-inline";
+      status.textContent = e.message;
+    }
+  }
+
+  _heatMap(heat, target) {
+    const most = Math.max(1e-12, ...target.inputs.map((s) => Math.abs(s.normalized)));
+    heat.replaceChildren(...target.inputs.map((s) => {
+      const span = el("span", { class: "in" + (s.normalized < 0 ? " neg" : ""), "data-position": String(s.position),
+        "data-score": String(s.score), title: `position ${s.position}: ${fmt(s.score)} (${(100 * s.normalized).toFixed(1)} %)` },
+        s.text);
+      span.style.setProperty("--w", (Math.abs(s.normalized) / most).toFixed(3));   // CSSOM: allowed under the CSP
+      return span;
+    }), el("span", { class: "in target", title: "the explained token" }, target.text));
   }
 
   _conceptButton(c) {
