@@ -84,6 +84,12 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def tensor_parallel_degree(a) -> int:
+    """GPUs (ranks) per worker: --tensor-parallel, 1 when unset (callers that build `a` by hand
+    may omit it)."""
+    return max(1, getattr(a, "tensor_parallel", 1) or 1)
+
+
 def worker_devices(a) -> list[str] | None:
     """The device each worker is pinned to (`--devices`), None when not given. Sets --workers to
     their count; refuses a contradicting --workers, an empty or duplicated entry."""
@@ -93,7 +99,7 @@ def worker_devices(a) -> list[str] | None:
     devices = [d.strip() for d in str(spec).split(",")]
     if not all(devices) or len(set(devices)) != len(devices) or not all(d.isdigit() for d in devices):
         raise LaunchError(f"--devices must list distinct GPU indices like 0,1: got {spec!r}")
-    tp = max(1, getattr(a, "tensor_parallel", 1) or 1)
+    tp = tensor_parallel_degree(a)
     if len(devices) % tp:
         raise LaunchError(f"--devices {spec}: {len(devices)} devices do not split into workers of "
                           f"--tensor-parallel {tp} GPUs")
@@ -228,7 +234,7 @@ class Stack:
         ]
         # CPU workers on one machine split its cores: each with torch's default (all cores) they
         # oversubscribe them and every step slows down badly
-        tp = max(1, getattr(a, "tensor_parallel", 1) or 1)
+        tp = tensor_parallel_degree(a)
         threads = (["--threads", str(max(1, (os.cpu_count() or 1) // max(1, a.workers * tp)))]
                    if a.device == "cpu" else [])
         tp_args = ["--tensor-parallel", str(tp)] if tp > 1 else []

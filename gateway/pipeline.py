@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 
@@ -27,6 +28,10 @@ from gateway.resolve import Limits, ModelCard, Prepared, RequestResolver, limit_
 from gateway.stream import GenerationStream, Reattach, attach_metadata
 
 log = logging.getLogger("gateway.pipeline")
+
+
+# a REST field of InputAttributionRequest opening a refusal or one of its clauses
+_INPUT_ATTRIBUTION_FIELD = re.compile(r"(?:^|: )(request_id|positions|chunk\.start|chunk\.end|n_steps): ")
 
 
 class Pipeline(RequestResolver):
@@ -123,7 +128,12 @@ class Pipeline(RequestResolver):
             async for ev in call:
                 yield ev
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, "scheduler") from None
+            err = from_rpc_error(e, "scheduler")
+            # the attribution tier names the field its refusal is about ("request '..': positions: ...")
+            field = _INPUT_ATTRIBUTION_FIELD.search(err.message)
+            if err.code == grpc.StatusCode.INVALID_ARGUMENT and field:
+                err.param = field.group(1)
+            raise err from None
         finally:
             call.cancel()
 

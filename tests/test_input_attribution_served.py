@@ -103,7 +103,8 @@ def test_streamed_chunk_attribution_reports_progress(stack, seed):
 
 @pytest.mark.parametrize("body,status,param", [
     ({"request_id": "nope", "positions": [5]}, 404, None),
-    ({"request_id": "{rid}", "positions": [0]}, 400, None),               # a prompt position: nothing committed it
+    ({"request_id": "{rid}", "positions": [0]}, 400, "positions"),        # a prompt position: nothing committed it
+    ({"request_id": "{rid}", "positions": [9999]}, 400, "positions"),     # past the request's tokens
     ({"request_id": "{rid}", "positions": [9], "n_steps": 0}, 400, "n_steps"),
     ({"request_id": "{rid}", "positions": [9], "n_steps": 300}, 400, "n_steps"),
     ({"request_id": "{rid}"}, 400, "positions"),

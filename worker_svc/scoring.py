@@ -57,9 +57,7 @@ class Scorer:
         self._held += 1
         try:
             if self.lockstep is not None:
-                fut = self.lockstep.score(req, self.compute)
-                self.lockstep.wake()
-                return await asyncio.wrap_future(fut)
+                return await asyncio.wrap_future(self.lockstep.score(req, self.compute))
             return await asyncio.get_running_loop().run_in_executor(self._pool, self.compute, req)
         finally:
             self._held -= 1

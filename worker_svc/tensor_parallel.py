@@ -163,6 +163,7 @@ class LockstepEngine:
         fut: Future = Future()
         with self._lock:
             self._pending.append((SCORE, req.SerializeToString(), (req, compute, fut)))
+        self.wake()   # the step thread may be idle: nothing else would run this forward
         return fut
 
     def has_work(self) -> bool:
