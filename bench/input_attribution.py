@@ -110,7 +110,10 @@ def main() -> None:
     print(f"alone: {alone / args.targets:.3f} s per target ({args.targets} targets, n_steps {args.n_steps})")
     save()
     if args.load:
-        engine = SteerlingEngine(model, tokenizer_vocab_size=vocab, cuda_graphs=cuda, max_slots=max(args.load, 4))
+        # a KV pool the load needs (8 pages a request) rather than 85 % of what is free: the
+        # attribution beside it needs its activations' memory back
+        engine = SteerlingEngine(model, tokenizer_vocab_size=vocab, cuda_graphs=cuda, max_slots=max(args.load, 4),
+                                 n_pages=max(args.load, 4) * 8 + 16)
         engine.warmup(4)
         base = load_tok_per_s(engine, args.load, 128, vocab, max(alone, 5.0), 2)
         timing = {}

@@ -57,16 +57,25 @@ def snapshot(prompt: list[int], seq_len: int, groups: list[CommitGroup], order: 
     return x
 
 
+# Tokens through the model per forward + backward. Its saved activations are ~6 MB a token at
+# 8B dims (32 layers: q, k, v, attention out, gate, up, their product, norms in bf16), so 4,096
+# tokens take ~24 GB beside the weights: an 80 GB card still holds a decode engine's KV cache
+# (64 rows of 264 tokens, the old bound, did not fit an H100 at all).
+IG_TOKENS_PER_FORWARD = 4096
+
+
 def integrated_gradients(model: SteerlingModel, tokens: Tensor, positions: Tensor, targets: Tensor,
-                         n_steps: int, steering: SteeringInputs | None = None, max_rows: int = 64) -> Tensor:
+                         n_steps: int, steering: SteeringInputs | None = None,
+                         max_tokens: int = IG_TOKENS_PER_FORWARD) -> Tensor:
     """(P, T) float32: row i attributes the logit of `targets[i]` at `positions[i]` of input
     `tokens[i]` (P, T) to every input position. The interpolation points go through the model
-    together, as many per forward as keep P x points <= max_rows (one backward per forward)."""
+    together, as many per forward as keep P x points x T <= max_tokens (one backward per
+    forward; at least one point)."""
     if n_steps < 1:
         raise ValueError(f"n_steps must be >= 1, got {n_steps}")
     b, t = tokens.shape
     emb = model.transformer.tok_emb
-    per = max(1, min(n_steps, max_rows // max(b, 1)))   # interpolation points per forward
+    per = max(1, min(n_steps, max_tokens // max(b * t, 1)))   # interpolation points per forward
     with torch.no_grad():
         inputs = emb(tokens)
         baseline = emb(torch.full((t,), model.cfg.mask_id, dtype=torch.long, device=tokens.device))[None].expand(b, -1, -1)
