@@ -56,7 +56,7 @@ export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" CDE_COMMIT="$commi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 case "$stage" in
   gpu-tests)
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_isd_engine.py tests/test_isd.py tests/test_paged_attention.py tests/test_block_attention.py tests/test_confidence_kernel.py tests/test_fused_swiglu.py tests/test_qkv_prep_kernel.py \
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_structured_output_isd.py tests/test_isd_engine.py tests/test_isd.py tests/test_paged_attention.py tests/test_block_attention.py tests/test_confidence_kernel.py tests/test_fused_swiglu.py tests/test_qkv_prep_kernel.py \
       2>&1 | tee "$OUT/gpu-tests-$short.txt" ;;
   steerling)
     python3 -m bench.steerling --preset steerling-8b --long-run "" --profile 1,32 \
