@@ -34,6 +34,8 @@
 #   bash bench/run_h200.sh anchor      # the public reference (bench/anchor_steerling_ref.py)
 #   bash bench/run_h200.sh services    # the whole stack under locust at C=1, 8, 32 ($DURATION s each, 40) beside the engine (wheels: bench/wheels.sh; carry .whl); $SERVICES_ARGS go to bench.services, $TAG ends the file names
 #
+# `gpu-tests` needs llguidance (structured output): installed, or its wheel in .whl/
+# (`pip download llguidance==1.9.1 --no-deps --only-binary=:all: --python-version 3.12 -d .whl`).
 # `anchor` needs the public `steerling` 0.2.0 package: installed, or its wheel and pydantic's
 # wheels (for the host's CPython) in .whl/ (do not commit them) on a host without a package registry.
 # Results go to $OUT (default: a new temporary directory, printed first); commit them under
